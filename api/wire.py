@@ -1,0 +1,116 @@
+"""Messages between the API process and the rank-0 coordinator, and their one codec.
+
+msgpack maps with a `type` tag and a protocol `version`. No torch, no pickle: both
+sides import this module. Custom outputs travel as {dtype, shape, data} with raw bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# error codes (DESIGN.md "Errors")
+INVALID_PARAMS = 605
+EXECUTION_EXCEPTION = 606
+ERROR_NAMES = {INVALID_PARAMS: "605_INVALID_PARAMS", EXECUTION_EXCEPTION: "606_EXECUTION_EXCEPTION"}
+
+
+@dataclass
+class AddRequest:
+    """API -> coordinator: a new request, already tokenized."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict  # SamplingParams.to_dict()
+    custom_output_params: dict | None = None
+    arrival_time: float = 0.0
+    TYPE = "add"
+
+
+@dataclass
+class AbortRequest:
+    """API -> coordinator: drop a request (client went away, or a stop string matched)."""
+    request_id: str
+    TYPE = "abort"
+
+
+@dataclass
+class SequenceOutput:
+    """New tokens of one sequence (index i of n / of the beams) since its last output."""
+    index: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] | None = None
+    # per new token: [[token_id, logprob], ...] of the top_logprobs alternatives
+    new_top_logprobs: list[list[list]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    cumulative_logprob: float | None = None  # beam score (length-penalised) for beams
+
+
+@dataclass
+class RequestOutput:
+    """Coordinator -> API: one request's progress. The first output of every request has
+    accepted=True or carries an error; later outputs carry new tokens."""
+    request_id: str
+    accepted: bool = True
+    sequences: list[SequenceOutput] = field(default_factory=list)
+    finished: bool = False
+    custom_output: dict | None = None  # {"dtype": str, "shape": list[int], "data": bytes}
+    error_code: int | None = None
+    error_message: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Outputs:
+    """Coordinator -> API: a batch of request outputs from one engine step."""
+    outputs: list[RequestOutput]
+    TYPE = "outputs"
+
+
+@dataclass
+class EngineStats:
+    """Coordinator -> API, about once a second: gauges for /metrics and /health."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    custom_output_calls: int = 0
+    custom_output_errors: int = 0
+    TYPE = "stats"
+
+
+@dataclass
+class Shutdown:
+    """Coordinator -> API: the engine is stopping; answer new requests 503."""
+    reason: str = ""
+    TYPE = "shutdown"
+
+
+_MESSAGE_TYPES = {cls.TYPE: cls for cls in (AddRequest, AbortRequest, Outputs, EngineStats, Shutdown)}
+
+
+def encode(message: Any) -> bytes:
+    body = asdict(message)
+    body["type"] = message.TYPE
+    body["version"] = PROTOCOL_VERSION
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if body.pop("version", None) != PROTOCOL_VERSION:
+        raise ValueError("wire protocol version mismatch")
+    cls = _MESSAGE_TYPES[body.pop("type")]
+    if cls is Outputs:
+        return Outputs([_request_output(o) for o in body["outputs"]])
+    return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
+
+
+def _request_output(raw: dict) -> RequestOutput:
+    raw["sequences"] = [SequenceOutput(**s) for s in raw["sequences"]]
+    return RequestOutput(**raw)

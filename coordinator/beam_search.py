@@ -1,0 +1,65 @@
+"""Beam search with the semantics of Hugging Face transformers' `generate(num_beams=B)`:
+top max(2, 1 + #eos) * B continuations per step, hypotheses finished by EOS (if among the
+top B) or by reaching the length limit, scores = sum of logprobs / generated_len ** length_penalty,
+and transformers' early-stopping heuristic (early_stopping=False)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from api.wire import SequenceOutput
+from coordinator.sequence import Request, Sequence
+
+
+@dataclass
+class Hypothesis:
+    score: float  # length-penalised
+    token_ids: list[int]  # generated tokens
+    finish_reason: str
+
+
+@dataclass
+class BeamState:
+    finished: list[Hypothesis] = field(default_factory=list)
+    improvable: bool = True  # transformers' "early stop heuristic unsatisfied"
+
+
+class BeamSearch:
+    def step(self, request: Request, beams: list[Sequence], logits: torch.Tensor,
+             eos_token_ids: list[int], max_model_len: int) -> tuple[list[tuple[int, int, float]], bool]:
+        """One step for all live beams of a request. Returns the running continuations
+        (parent position, token, accumulated logprob), best first, and whether search is done."""
+        p = request.params
+        state = request.beam_state = request.beam_state or BeamState()
+        num_beams, vocab = p.num_beams, logits.shape[-1]
+        eos = [] if p.ignore_eos else [t for t in eos_token_ids if t < vocab]
+        acc = torch.log_softmax(logits.float(), dim=-1)
+        acc += torch.tensor([b.cumulative_logprob for b in beams], device=acc.device)[:, None]
+        k = min(max(2, 1 + len(eos)) * num_beams, acc.numel())
+        top_scores, top_idx = acc.flatten().topk(k)
+        gen_len = beams[0].num_output_tokens + 1
+        at_limit = gen_len >= p.max_new_tokens or beams[0].num_tokens + 1 >= max_model_len
+        running: list[tuple[int, int, float]] = []
+        for rank, (score, idx) in enumerate(zip(top_scores.tolist(), top_idx.tolist())):
+            parent, token = divmod(idx, vocab)
+            hits_eos = token in eos
+            if hits_eos or at_limit:
+                if rank < num_beams and state.improvable:
+                    tokens = beams[parent].output_token_ids + [token]
+                    reason = "stop" if hits_eos else "length"
+                    state.finished.append(Hypothesis(score / gen_len ** p.length_penalty, tokens, reason))
+            elif len(running) < num_beams:
+                running.append((parent, token, score))
+        state.finished = sorted(state.finished, key=lambda h: -h.score)[:num_beams]
+        if running and len(state.finished) == num_beams:
+            best_possible = running[0][2] / gen_len ** p.length_penalty
+            state.improvable = state.improvable and best_possible > state.finished[-1].score
+        done = at_limit or not running or not state.improvable
+        return running, done
+
+    @staticmethod
+    def final_outputs(request: Request) -> list[SequenceOutput]:
+        best = request.beam_state.finished[:request.params.n] if request.beam_state else []
+        return [SequenceOutput(index=i, new_token_ids=h.token_ids, finish_reason=h.finish_reason,
+                               cumulative_logprob=h.score) for i, h in enumerate(best)]

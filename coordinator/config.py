@@ -1,0 +1,97 @@
+"""EngineConfig: every start-up option of the engine, validated once, and the factory that
+builds a rank's model runner and rank 0's engine from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from coordinator.custom_outputs import build_handler
+from coordinator.engine import Engine, EngineOptions
+from coordinator.scheduler import SchedulerConfig
+from model.config import ModelConfig
+from model.layers import TPGroup
+from model.loader import resolve_dtype
+from ranks.plan import StepPlan
+from ranks.runner import ModelRunner, RunnerConfig
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # checkpoint folder; None: the embedded demo model
+    tokenizer: str | None = None
+    dtype: str | None = None  # None/"auto": float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None: cuda if available else cpu
+    load_format: str = "safetensors"
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB per rank
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    custom_module: str | None = None
+    custom_output_reuse: str = "omit"
+    output_workers: int = 0
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.custom_output_reuse not in ("omit", "recompute"):
+            raise ValueError("custom_output_reuse must be omit or recompute")
+        if self.output_workers < 0:
+            raise ValueError("output_workers must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    def model_dir(self) -> Path:
+        if self.model is None:
+            from model.demo import ensure_demo_checkpoint
+            return ensure_demo_checkpoint()
+        path = Path(self.model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder not found: {path}")
+        return path
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None,
+                 min_across_ranks: Callable[[int], int] = lambda x: x) -> ModelRunner:
+    model_dir = config.model_dir()
+    model_cfg = ModelConfig.from_dir(model_dir)
+    device = device or config.torch_device()
+    max_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                  model_cfg.max_position_embeddings)
+    runner_cfg = RunnerConfig(
+        model_dir=model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
+        load_format=config.load_format, block_size=config.block_size,
+        kv_cache_memory_gib=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization, num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+        max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
+        seed=config.seed)
+    return ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
+
+
+def build_engine(config: EngineConfig, runner: ModelRunner,
+                 send_plan: Callable[[StepPlan], None] = lambda plan: None) -> Engine:
+    """Rank 0 only: the coordinator's engine around this rank's runner (and the handler)."""
+    model_cfg = runner.model_cfg
+    handler = None
+    if config.custom_module:
+        handler = build_handler(config.custom_module, runner.cfg.model_dir, runner.device,
+                                runner.cfg.dtype, model_cfg.hidden_size)
+    options = EngineOptions(
+        max_model_len=runner.cfg.max_model_len, eos_token_ids=model_cfg.eos_token_ids,
+        vocab_size=model_cfg.vocab_size,
+        scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        enable_prefix_caching=config.enable_prefix_caching,
+        custom_output_reuse=config.custom_output_reuse, seed=config.seed)
+    return Engine(runner, options, handler, send_plan)

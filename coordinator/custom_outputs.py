@@ -1,0 +1,125 @@
+"""Rank 0's side of custom outputs: building the handler, selecting positions, and running
+the handler once per step on the selected rows (one device-to-host copy per step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
+from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
+                                 check_output, load_handler_class, module_weights_file)
+from model.loader import safetensors_files
+
+
+class RequestError(Exception):
+    """A request is refused or failed: code 605 (INVALID_PARAMS) or 606 (EXECUTION_EXCEPTION)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype: torch.dtype,
+                  hidden_size: int) -> object:
+    """Instantiate the deployment's handler (no arguments), give it its weights, and check it
+    with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
+    cls = load_handler_class(spec)
+    try:
+        handler = cls()
+    except Exception as e:
+        raise HandlerLoadError(f"custom handler {cls.__name__}() failed: {e}") from e
+    for method in ("select_token_position", "forward"):
+        if not callable(getattr(handler, method, None)):
+            raise HandlerLoadError(f"custom handler {cls.__name__} has no method {method}()")
+    names = list(getattr(handler, "weight_names", lambda: [])())
+    if names:
+        handler.load_weights(_find_tensors(names, model_dir, module_weights_file(spec), device))
+    try:
+        zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
+        check_output(handler.forward(zero), 1)
+    except Exception as e:
+        raise HandlerLoadError(f"custom handler dry run failed: {e}") from e
+    return handler
+
+
+def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    files = (safetensors_files(model_dir) if model_dir else []) + ([extra] if extra else [])
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in set(names) & set(f.keys()) - set(found):
+                found[name] = f.get_tensor(name).to(device)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise HandlerLoadError(f"custom handler weights not found: {missing} "
+                               f"(looked in {[str(p) for p in files]})")
+    return found
+
+
+def select_position(handler: object | None, input_ids: list[int], params: dict | None,
+                    max_new_tokens: int) -> int:
+    """Run the selector with the error rules of DESIGN.md; -1 means no custom output."""
+    if handler is None:
+        if params is not None:
+            raise RequestError(INVALID_PARAMS, "custom_output_params given but no custom output "
+                                               "module is loaded")
+        if max_new_tokens == 0:
+            raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) needs a custom "
+                                               "output module")
+        return -1
+    try:
+        pos = handler.select_token_position(list(input_ids), params)
+    except ValueError as e:
+        raise RequestError(INVALID_PARAMS, f"custom output selection: {e}") from None
+    except Exception as e:
+        raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
+                                                f"{type(e).__name__}: {e}") from None
+    if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool) \
+            or not -1 <= pos < len(input_ids):
+        raise RequestError(INVALID_PARAMS, f"selected position {pos!r} is outside "
+                                           f"[-1, {len(input_ids)})")
+    if pos == -1 and max_new_tokens == 0:
+        raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) but the selector "
+                                           "chose no token")
+    return int(pos)
+
+
+@dataclass
+class CustomOutputStats:
+    calls: int = 0
+    errors: int = 0
+
+
+def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputStats) -> list[dict]:
+    """One call for all selected rows of a step; returns one wire value per row:
+    {"dtype", "shape", "data"} with the row kept as [1] or [1, width]. Raises CustomOutputError."""
+    stats.calls += 1
+    rows = hidden_rows.shape[0]
+    try:
+        out = check_output(handler.forward(hidden_rows), rows)
+    except CustomOutputError:
+        stats.errors += 1
+        raise
+    except Exception as e:
+        stats.errors += 1
+        raise CustomOutputError(f"{type(e).__name__}: {e}") from e
+    host = out.detach().contiguous().cpu()  # the step's one device-to-host copy
+    dtype = ALLOWED_DTYPES[host.dtype]
+    raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
+    array = raw.numpy()
+    return [{"dtype": dtype, "shape": [1, *host.shape[1:]], "data": array[i:i + 1].tobytes()}
+            for i in range(rows)]
+
+
+def decode_value(value: dict) -> torch.Tensor:
+    """Wire value -> tensor (tests and offline users)."""
+    dtype = {v: k for k, v in ALLOWED_DTYPES.items()}[value["dtype"]]
+    carrier = torch.int16 if dtype == torch.bfloat16 else dtype
+    t = torch.frombuffer(bytearray(value["data"]), dtype=carrier).reshape(value["shape"])
+    return t.view(dtype) if dtype == torch.bfloat16 else t

@@ -1,0 +1,282 @@
+"""The engine on rank 0: requests in, one step at a time, outputs out.
+
+Each step: schedule -> build the plan -> hand it to every rank (broadcast) -> run rank 0's
+forward -> custom outputs, sampling, forks and beams -> outputs. `Engine.generate` in
+coordinator/offline.py drives it for offline use; coordinator/loop.py drives it for serving.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable
+
+import torch
+
+from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput, SequenceOutput
+from coordinator.beam_search import BeamSearch
+from coordinator.blocks import BlockManager
+from coordinator.custom_outputs import (CustomOutputStats, RequestError, run_handler,
+                                        select_position)
+from coordinator.planner import PlanRows, build_plan
+from coordinator.sampler import SampleRow, Sampler
+from coordinator.sampling_params import SamplingParams
+from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
+from model.custom_output import CustomOutputError
+from ranks.plan import StepPlan
+from ranks.runner import ModelRunner, StepOutput
+
+
+@dataclass
+class EngineOptions:
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enable_prefix_caching: bool = True
+    custom_output_reuse: str = "omit"  # or "recompute"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.custom_output_reuse not in ("omit", "recompute"):
+            raise ValueError("custom_output_reuse must be omit or recompute")
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
+                 send_plan: Callable[[StepPlan], None] = lambda plan: None):
+        self.runner, self.options, self.handler = runner, options, handler
+        self.send_plan = send_plan
+        self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
+                                   options.enable_prefix_caching)
+        self.scheduler = Scheduler(options.scheduler, self.blocks)
+        self.sampler = Sampler(options.seed, runner.device)
+        self.beams = BeamSearch()
+        self.seqs = SequenceFactory()
+        self.requests: dict[str, Request] = {}
+        self.custom_stats = CustomOutputStats()
+        self._arrivals = count()
+        self._pending_copies: list[tuple[int, int]] = []
+        self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    custom_output_params: dict | None = None) -> None:
+        """Validate and queue a request; raises RequestError (605/606) and queues nothing."""
+        if request_id in self.requests:
+            raise RequestError(INVALID_PARAMS, f"duplicate request id {request_id!r}")
+        self._validate_prompt(prompt_token_ids, params)
+        pos = select_position(self.handler, prompt_token_ids, custom_output_params,
+                              params.max_new_tokens)
+        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
+                          custom_position=pos)
+        if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
+            request.reuse_cap_tokens = pos  # reuse stops below the selected token
+        self.seqs.prompt_sequence(request)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError(INVALID_PARAMS, "prompt is empty")
+        if len(ids) >= self.options.max_model_len:
+            raise RequestError(INVALID_PARAMS, f"prompt is {len(ids)} tokens; the model's context "
+                                               f"is {self.options.max_model_len} (prompt too long)")
+        bad = [t for t in ids if not 0 <= t < self.options.vocab_size]
+        if bad:
+            raise RequestError(INVALID_PARAMS, f"prompt token ids outside the vocabulary "
+                                               f"[0, {self.options.vocab_size}): {bad[:5]}")
+        if params.num_sequences * self.blocks.blocks_needed(len(ids) + 1) > self.blocks.num_blocks:
+            raise RequestError(INVALID_PARAMS, "request needs more KV blocks than the cache holds")
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish_request(request, "abort")
+            self._ready.append(self._output(request))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._ready)
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._ready = self._ready, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        plan, rows = build_plan(batch, self.blocks.block_size, self._pending_copies)
+        self._pending_copies = []
+        self.send_plan(plan)
+        result = self.runner.execute(plan)
+        touched = self._postprocess(batch, plan, rows, result)
+        return outputs + [self._output(r) for r in touched]
+
+    def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
+                     result: StepOutput) -> list[Request]:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.register_computed(seq)
+        if rows.custom_seqs:
+            self._run_custom(result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
+                             rows.custom_seqs)
+        live = [(i, s) for i, s in enumerate(rows.logit_seqs) if s.request.error_code is None]
+        if live:
+            self._sample(result.logits, live)
+        touched = list(dict.fromkeys(s.request for s in batch.seqs))
+        for request in touched:
+            self._finish_scoring_only(request)
+        return touched
+
+    def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        try:
+            values = run_handler(self.handler, hidden_rows, self.custom_stats)
+        except CustomOutputError as e:
+            for seq in seqs:
+                self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: {e}")
+            return
+        for seq, value in zip(seqs, values):
+            seq.request.custom_output = value
+
+    def _finish_scoring_only(self, request: Request) -> None:
+        seq = request.sequences[0]
+        if request.params.max_new_tokens == 0 and not seq.is_finished \
+                and seq.num_computed_tokens == seq.num_tokens:
+            self._finish_seq(seq, "length")
+
+    # ---- sampling, forks, beams ---------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> None:
+        beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
+        plain = []
+        for i, seq in live:
+            (beam_groups.setdefault(seq.request, []) if seq.request.params.num_beams > 1
+             else plain).append((i, seq))
+        if plain:
+            self._sample_plain(logits, plain)
+        for request, group in beam_groups.items():
+            idx = torch.tensor([i for i, _ in group], device=logits.device)
+            self._apply_beam_step(request, [s for _, s in group], logits[idx])
+
+    def _sample_plain(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        rows = [SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids,
+                          self.options.eos_token_ids, seed_key=s.index,
+                          num_samples=1 if s.request.forked else s.request.params.n)
+                for _, s in items]
+        idx = torch.tensor([i for i, _ in items], device=logits.device)
+        result = self.sampler(logits[idx], rows)
+        for k, (_, seq) in enumerate(items):
+            targets = [seq]
+            if not seq.request.forked:
+                targets += self._fork(seq, seq.request.params.n - 1)
+                seq.request.forked = True
+            for j, target in enumerate(targets):
+                top = result.top_logprobs[k][j] if result.top_logprobs else None
+                self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
+
+    def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
+        children = []
+        request = parent.request
+        for j in range(count_):
+            index = (first_index if first_index is not None else 1) + j
+            child = self.seqs.fork(parent, index)
+            copy = self.blocks.fork(parent, child)
+            if copy is not None:
+                self._pending_copies.append(copy)
+            request.sequences.append(child)
+            if child.status is SeqStatus.RUNNING:
+                self.scheduler.running.append(child)
+            children.append(child)
+        return children
+
+    def _apply_beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
+        request.forked = True
+        running, done = self.beams.step(request, beams, logits, self.options.eos_token_ids,
+                                        self.options.max_model_len)
+        if done:
+            for seq in beams:
+                self._finish_seq(seq, "length")
+            return
+        used: set[int] = set()
+        assignments = []
+        for parent_pos, token, score in running:
+            parent = beams[parent_pos]
+            target = parent if parent_pos not in used else self._fork(parent, 1, first_index=0)[0]
+            used.add(parent_pos)
+            assignments.append((target, token, score))
+        for pos, parent in enumerate(beams):
+            if pos not in used:
+                self._finish_seq(parent, "pruned", emit=False)
+        for i, (target, token, score) in enumerate(assignments):
+            target.index = i
+            self._append(target, token, None, None, score=score)
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top, score=None) -> None:
+        seq.token_ids.append(token)
+        if score is not None:
+            seq.cumulative_logprob = score
+        elif logprob is not None:
+            seq.cumulative_logprob += logprob
+        if seq.request.params.logprobs and logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
+        if seq.request.params.num_beams == 1:
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self._finish_seq(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.request.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if (not p.ignore_eos and token in self.options.eos_token_ids) or token in p.stop_token_ids:
+                return "stop"
+        if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= self.options.max_model_len:
+            return "length"
+        return None
+
+    # ---- finishing -----------------------------------------------------------------------
+    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        if not emit:
+            seq.request.sequences.remove(seq)
+
+    def _finish_request(self, request: Request, reason: str) -> None:
+        self.scheduler.drop_waiting(request)
+        for seq in request.live_sequences:
+            self._finish_seq(seq, reason)
+
+    def _fail(self, request: Request, code: int, message: str) -> None:
+        request.error_code, request.error_message = code, message
+        self._finish_request(request, "error")
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        seqs = self.beams.final_outputs(request) if request.params.num_beams > 1 and finished \
+            else [self._seq_output(s) for s in request.sequences]
+        return RequestOutput(
+            request_id=request.request_id, sequences=seqs, finished=finished,
+            custom_output=request.custom_output, error_code=request.error_code,
+            error_message=request.error_message, num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=request.num_cached_tokens)
+
+    @staticmethod
+    def _seq_output(seq: Sequence) -> SequenceOutput:
+        start = seq.num_emitted_tokens
+        if seq.request.params.num_beams > 1:
+            return SequenceOutput(index=seq.index)  # beams are sent once, when done
+        seq.num_emitted_tokens = seq.num_output_tokens
+        want_lp = seq.request.params.logprobs
+        return SequenceOutput(
+            index=seq.index, new_token_ids=seq.output_token_ids[start:],
+            new_logprobs=seq.logprobs[start:] if want_lp else None,
+            new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
+            finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob)
+
+    def check_invariants(self) -> None:
+        self.blocks.check_invariants()
+        owned = sum(len(s.block_table) for r in self.requests.values() for s in r.live_sequences)
+        assert owned >= sum(1 for b in self.blocks.blocks if b.ref_count > 0)

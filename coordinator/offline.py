@@ -1,0 +1,94 @@
+"""Offline use in one process: `LLM(EngineConfig(...)).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from api.wire import RequestOutput
+from coordinator.config import EngineConfig, build_engine, build_runner
+from coordinator.custom_outputs import RequestError, decode_value
+from coordinator.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    text: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    custom_output: torch.Tensor | None = None
+    num_cached_tokens: int = 0
+    error_code: int | None = None
+    error_message: str | None = None
+
+    def accumulate(self, out: RequestOutput) -> None:
+        for s in out.sequences:
+            while len(self.outputs) <= s.index:
+                self.outputs.append(CompletionOutput(len(self.outputs)))
+            c = self.outputs[s.index]
+            c.token_ids += s.new_token_ids
+            c.logprobs += s.new_logprobs or []
+            c.top_logprobs += s.new_top_logprobs or []
+            c.finish_reason = s.finish_reason or c.finish_reason
+            c.cumulative_logprob = s.cumulative_logprob
+        if out.custom_output is not None:
+            self.custom_output = decode_value(out.custom_output)
+        self.num_cached_tokens = out.num_cached_tokens
+        self.error_code, self.error_message = out.error_code, out.error_message
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config or EngineConfig(**kwargs)
+        self.runner = build_runner(self.config)
+        self.engine = build_engine(self.config, self.runner)
+        self.tokenizer = _load_tokenizer(self.config)
+        self._ids = count()
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
+                 | None = None, custom_output_params: list[dict | None] | None = None,
+                 raise_errors: bool = True) -> list[GenerationResult]:
+        """Run prompts (text or token ids) to completion, sharing batches; results in order."""
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        cop = custom_output_params or [None] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        for prompt, p, c in zip(prompts, params_list, cop):
+            rid = f"offline-{next(self._ids)}"
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            results[rid] = GenerationResult(rid, ids)
+            try:
+                self.engine.add_request(rid, ids, p, c)
+            except RequestError as e:
+                if raise_errors:
+                    raise
+                results[rid].error_code, results[rid].error_message = e.code, e.message
+        while self.engine.has_work():
+            for out in self.engine.step():
+                results[out.request_id].accumulate(out)
+        if self.tokenizer is not None:
+            for r in results.values():
+                for o in r.outputs:
+                    o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return list(results.values())
+
+
+def _load_tokenizer(config: EngineConfig):
+    path = config.tokenizer or config.model_dir()
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError):
+        return None  # a checkpoint without tokenizer files: token-id prompts only

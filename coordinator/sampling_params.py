@@ -1,0 +1,77 @@
+"""Per-request sampling parameters. Pure Python (no torch): the API process imports it too."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)  # honoured by the detokenizing side
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (or -1 to disable)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("num_beams", self.num_beams >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
+            ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.num_beams > 1 and self.n > self.num_beams:
+            raise ValueError(f"n must be <= num_beams for beam search, got n={self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences running at once: beams for beam search, else n."""
+        return self.num_beams if self.num_beams > 1 else self.n
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown sampling fields: {sorted(unknown)}")
+        return cls(**d)

@@ -1,0 +1,102 @@
+"""Request and sequence state on rank 0.
+
+A request starts with one sequence (its prompt). After the prompt's prefill it forks into
+`n` samples or `num_beams` beams that share the prompt's KV blocks.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from itertools import count
+
+from coordinator.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    token_ids: list[int]
+    num_prompt_tokens: int
+    index: int = 0  # which of the request's n samples / beams
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
+    cumulative_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_emitted_tokens: int = 0  # output tokens already sent to the client
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int
+    custom_position: int = -1  # selected prompt token, -1: none
+    reuse_cap_tokens: int | None = None  # prefix reuse must stop below this many tokens
+    custom_output: dict | None = None  # {"dtype", "shape", "data"} once computed
+    custom_output_skipped: bool = False  # selected token came from the prefix cache (omit)
+    sequences: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # prompt sequence already split into n samples / beams
+    beam_state: object | None = None  # coordinator.beam_search.BeamState for beam search
+    num_cached_tokens: int = 0
+    error_code: int | None = None
+    error_message: str | None = None
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return bool(self.sequences) and all(s.is_finished for s in self.sequences)
+
+
+class SequenceFactory:
+    """Hands out sequence ids unique within one engine."""
+
+    def __init__(self) -> None:
+        self._ids = count()
+
+    def prompt_sequence(self, request: Request) -> Sequence:
+        seq = Sequence(next(self._ids), request, list(request.prompt_token_ids),
+                       len(request.prompt_token_ids))
+        request.sequences.append(seq)
+        return seq
+
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        """A copy of parent's state (tokens, logprobs); blocks are shared by the block manager."""
+        child = Sequence(next(self._ids), parent.request, list(parent.token_ids),
+                         parent.num_prompt_tokens, index=index, status=parent.status,
+                         num_computed_tokens=parent.num_computed_tokens,
+                         num_hashed_blocks=parent.num_hashed_blocks,
+                         cumulative_logprob=parent.cumulative_logprob,
+                         logprobs=list(parent.logprobs), top_logprobs=list(parent.top_logprobs),
+                         num_emitted_tokens=parent.num_emitted_tokens)
+        return child

@@ -1,0 +1,105 @@
+"""The custom output handler contract: loading a deployment's module, its weights, and the
+checks its outputs must pass.
+
+A deployment module (`--custom-module path/to/file.py[:Class]` or `package.module:Class`) holds
+a class built with no arguments, once, on rank 0 only. It may subclass CustomOutputHandler or
+just define the methods (duck typing).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from pathlib import Path
+
+import torch
+
+ALLOWED_DTYPES = {torch.float32: "float32", torch.float16: "float16",
+                  torch.bfloat16: "bfloat16", torch.int32: "int32"}
+
+
+class CustomOutputHandler:
+    """Base class for deployment heads run on one selected prompt token per request."""
+
+    NO_OUTPUT = -1
+    LAST_GENERATED = -2  # reserved: scoring the last generated token (not yet supported)
+
+    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
+        """Once per request on rank 0, after tokenization / chat templating. Zero-based index
+        into input_ids, or -1 for no custom output. Raise ValueError for bad params (605)."""
+        return len(input_ids) - 1
+
+    def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] final-normalized, model dtype and device -> [rows] or [rows, width]
+        in float32, float16, bfloat16 or int32. Must not perform collectives."""
+        raise NotImplementedError
+
+    def weight_names(self) -> list[str]:
+        """Tensors to fetch from the model's safetensors (or <module_stem>.safetensors)."""
+        return []
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Receives weight_names() tensors on the model's device in their stored dtype."""
+
+
+class CustomOutputError(Exception):
+    """A handler's output broke the rules, or it raised (606 for the requests involved)."""
+
+
+class HandlerLoadError(RuntimeError):
+    """The deployment module could not be loaded or failed its start-up checks."""
+
+
+def check_output(out: object, rows: int) -> torch.Tensor:
+    """Enforce the output rules; raise CustomOutputError naming the violation."""
+    if not isinstance(out, torch.Tensor):
+        raise CustomOutputError(f"forward returned {type(out).__name__}, expected a torch.Tensor")
+    if out.dtype not in ALLOWED_DTYPES:
+        raise CustomOutputError(f"dtype {out.dtype} not allowed (float32, float16, bfloat16, int32)")
+    if out.dim() not in (1, 2) or out.numel() == 0:
+        raise CustomOutputError(f"shape {tuple(out.shape)} must be nonempty [rows] or [rows, width]")
+    if out.shape[0] != rows:
+        raise CustomOutputError(f"returned {out.shape[0]} rows for {rows} selected tokens")
+    return out
+
+
+def load_handler_class(spec: str) -> type:
+    """`path/to/file.py[:Class]` or `package.module:Class`. Without a class name the module
+    must define exactly one handler-looking class."""
+    target, _, class_name = spec.partition(":")
+    if target.endswith(".py") or "/" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise HandlerLoadError(f"custom module file not found: {path}")
+        mod_spec = importlib.util.spec_from_file_location(f"tapserve_custom_{path.stem}", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise HandlerLoadError(f"cannot import custom module {target!r}: {e}") from e
+    if class_name:
+        if not hasattr(module, class_name):
+            raise HandlerLoadError(f"{target} has no class {class_name!r}")
+        return getattr(module, class_name)
+    found = [c for _, c in inspect.getmembers(module, inspect.isclass)
+             if c.__module__ == module.__name__ and _looks_like_handler(c)]
+    if len(found) != 1:
+        raise HandlerLoadError(f"{target}: name the handler class as {target}:Class "
+                               f"(found {[c.__name__ for c in found]})")
+    return found[0]
+
+
+def _looks_like_handler(cls: type) -> bool:
+    return callable(getattr(cls, "select_token_position", None)) and \
+        callable(getattr(cls, "forward", None))
+
+
+def module_weights_file(spec: str) -> Path | None:
+    """<module_stem>.safetensors beside a file-path module, if any."""
+    target = spec.partition(":")[0]
+    if target.endswith(".py"):
+        candidate = Path(target).with_suffix(".safetensors")
+        return candidate if candidate.is_file() else None
+    return None

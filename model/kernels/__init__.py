@@ -1,0 +1,61 @@
+"""Triton kernels for paged attention and the KV-cache store.
+
+Exports (loaded lazily, so `import model.kernels` works without Triton installed):
+  paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None,
+                         num_kv_splits=16, workspace=None) -> out [B, H, D]
+  extend_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
+                   max_query_len, scale, out=None) -> out [T, H, D]
+  store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
+  make_decode_workspace(max_batch, num_heads, head_dim, num_kv_splits, device)
+  num_kv_splits_for(max_model_len) -> int
+  triton_available(device=None) -> bool
+
+The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 set before triton is first imported).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+import torch
+
+_LAZY = {
+    "paged_decode_attention": "decode",
+    "make_decode_workspace": "decode",
+    "num_kv_splits_for": "decode",
+    "DEFAULT_NUM_KV_SPLITS": "decode",
+    "extend_attention": "extend",
+    "store_kv_cache": "store",
+}
+
+__all__ = [*_LAZY, "triton_available"]
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """Whether the Triton kernels can run on `device` (default: CUDA if present, else CPU).
+
+    CUDA needs triton importable and a CUDA device; CPU needs triton importable and the
+    interpreter switched on (TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available()
+    return kind == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562 lazy export: import the kernel module (and triton) on first use."""
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,208 @@
+"""Tensor-parallel building blocks, named as in vLLM.
+
+Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
+rank's slice of a full checkpoint tensor. With tp_size = 1 the slice is the whole tensor.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in the tensor-parallel group (group=None: single process)."""
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_to_rank0(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate each rank's [..., n] along the last dim on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+
+def _set_weight_loader(param: nn.Parameter, loader) -> None:
+    param.weight_loader = loader
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), W split along the output dim; each rank holds out/tp rows."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.out_per_rank = _divide(out_features, tp.size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            _set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        shard = loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank)
+        _copy_checked(param.data, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections (gate and up) stored as one matrix."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TPGroup, bias: bool = False):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), tp, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        size = self.out_sizes[shard_id] // self.tp.size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
+        shard = loaded.narrow(0, self.tp.rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix. KV heads are split across ranks, or replicated
+    (each rank holding one) when there are fewer KV heads than ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp: TPGroup, bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+        elif tp.size % num_kv_heads:
+            raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        else:
+            self.num_kv_heads = 1
+        self.total_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden, out, tp, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, index = 0, q_size, self.tp.rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size = kv_size
+            # replicated KV: ranks share a head, rank r takes head r * kv_heads // tp
+            index = self.tp.rank * self.total_kv_heads // self.tp.size \
+                if self.total_kv_heads < self.tp.size else self.tp.rank
+        shard = loaded.narrow(0, index * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) (+ b): W split along the input dim."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
+        super().__init__()
+        self.tp = tp
+        self.in_per_rank = _divide(in_features, tp.size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            _set_weight_loader(self.bias, _replicated_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _copy_checked(param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split into contiguous ranges, one per rank."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_per_rank = math.ceil(vocab_size / tp.size)
+        self.vocab_start = tp.rank * self.vocab_per_rank
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden), requires_grad=False)
+        _set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        n = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match "
+                             f"({self.vocab_size}, {param.shape[1]})")
+        param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_per_rank)
+        out = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weight)
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """LM head sharing the vocab split; full logits are gathered on rank 0 only."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_to_rank0(F.linear(hidden, self.weight))
+        return None if logits is None else logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        _set_weight_loader(self.weight, _replicated_loader)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Plain norm, or (with residual) fused add + norm returning (normed, new residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    _copy_checked(param.data, loaded)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape {tuple(src.shape)} does not match expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,116 @@
+"""Build a CausalLM and fill it from safetensors (single file or sharded with an index),
+shard by shard with a progress bar; or with random weights (`--load-format dummy`)."""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from model.config import ModelConfig
+from model.decoder import AttentionBackend, CausalLM
+from model.layers import TPGroup
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "half": torch.float16, "float": torch.float32}
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on CUDA unless asked otherwise."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: choose from {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                backend: AttentionBackend | None = None) -> CausalLM:
+    with _default_dtype(dtype), torch.device(device):
+        return CausalLM(cfg, tp, backend).eval()
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -> None:
+    """Copy this rank's shard of every checkpoint tensor the model uses; ignore the others.
+    Raises on a missing or mis-shaped tensor, naming it."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    files = safetensors_files(model_dir)
+    for path in tqdm(files, desc="loading shards", disable=not show_progress or len(files) < 2):
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():
+                target = _map_name(model, hf_name)
+                if target is None or target[0] not in params:
+                    continue  # a tensor the model does not use (a head's weights, say)
+                name, shard_id = target
+                try:
+                    params[name].weight_loader(params[name], f.get_tensor(hf_name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {hf_name}: {e}") from None
+                loaded.add(f"{name}:{shard_id}")
+    _check_complete(model, params, loaded)
+
+
+def _map_name(model: CausalLM, hf_name: str) -> tuple[str, object] | None:
+    name = hf_name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return None
+    for hf_part, (ours, shard_id) in model.packed_modules.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{ours}."), shard_id
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None
+    return name, None
+
+
+def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name:
+            needed = [f"{name}:{s}" for s in "qkv"]
+        elif ".gate_up_proj." in name:
+            needed = [f"{name}:{s}" for s in (0, 1)]
+        else:
+            needed = [f"{name}:None"]
+        missing += [n for n in needed if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+
+
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights of the right shapes (benchmarks): small normal values, norms at 1."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)

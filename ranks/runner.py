@@ -1,0 +1,159 @@
+"""The per-rank model runner: plan -> tensors -> forward. Identical on every rank; only rank 0
+uses the logits and the hidden states of `custom_rows`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from model.attention import AttentionMetadata
+from model.config import ModelConfig
+from model.decoder import AttentionBackend, ForwardContext
+from model.layers import TPGroup
+from model.loader import build_model, init_dummy_weights, load_weights
+from ranks.plan import StepKind, StepPlan
+
+GiB = 1 << 30
+
+
+@dataclass
+class RunnerConfig:
+    model_dir: Path | None
+    dtype: torch.dtype
+    device: torch.device
+    load_format: str = "safetensors"  # or "dummy"
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None  # None: CPU 2 GiB, CUDA from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # exact block count (tests); overrides the memory budget
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor  # [T, hidden] final-normalized
+    logits: torch.Tensor | None  # [len(logit_rows), vocab] on rank 0, else None
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: RunnerConfig, tp: TPGroup,
+                 min_across_ranks: Callable[[int], int] = lambda x: x,
+                 backend: AttentionBackend | None = None, show_progress: bool = True):
+        self.model_cfg, self.cfg, self.tp = model_cfg, cfg, tp
+        self.device = cfg.device
+        self.model = build_model(model_cfg, tp, cfg.dtype, cfg.device, backend)
+        if cfg.load_format == "dummy":
+            init_dummy_weights(self.model, cfg.seed)
+        else:
+            load_weights(self.model, Path(cfg.model_dir), show_progress and tp.rank == 0)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.num_blocks = min_across_ranks(self._count_kv_blocks())
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+
+    # ---- KV cache --------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        c = self.model_cfg
+        elem = torch.empty(0, dtype=self.cfg.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.cfg.block_size * self.num_kv_heads * c.head_dim * elem
+
+    def _count_kv_blocks(self) -> int:
+        if self.cfg.num_kv_blocks is not None:
+            return self.cfg.num_kv_blocks
+        if self.cfg.kv_cache_memory_gib is not None:
+            budget = int(self.cfg.kv_cache_memory_gib * GiB)
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = 2 * GiB
+        # never more than every sequence at full length could use
+        useful = self.cfg.max_num_seqs * -(-self.cfg.max_model_len // self.cfg.block_size) + 1
+        blocks = min(budget // self.block_bytes(), useful)
+        if blocks < 1:
+            raise ValueError("KV cache budget is too small for a single block")
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """Fraction of the GPU left after weights and a peak-activation profile run."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activations = self._profile_peak_activations()
+        used_by_others = total - free
+        return int(total * self.cfg.gpu_memory_utilization - used_by_others - peak_activations)
+
+    def _profile_peak_activations(self) -> int:
+        n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+        blocks = -(-n // self.cfg.block_size)
+        caches = self._allocate_kv_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        plan = StepPlan(kind=StepKind.PREFILL, input_ids=np.zeros(n, np.int64),
+                        positions=np.arange(n, dtype=np.int64), slot_mapping=np.arange(n, dtype=np.int64),
+                        query_start_loc=np.array([0, n], np.int32), context_lens=np.array([n], np.int32),
+                        block_tables=np.arange(blocks, dtype=np.int32)[None],
+                        logit_rows=np.array([n - 1], np.int64))
+        self.execute(plan, caches)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches
+        torch.cuda.empty_cache()
+        return peak
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.cfg.block_size, self.num_kv_heads, self.model_cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
+                for _ in range(self.model_cfg.num_hidden_layers)]
+
+    # ---- execution ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, kv_caches=None) -> StepOutput | None:
+        kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        self._copy_blocks(plan.block_copies, kv_caches)
+        if plan.num_tokens == 0:
+            return None
+        ctx = self.forward_context(plan, kv_caches)
+        hidden = self.model(self._tensor(plan.input_ids), ctx)
+        logits = None
+        if plan.logit_rows.size:
+            logits = self.model.compute_logits(hidden[self._tensor(plan.logit_rows)])
+        return StepOutput(hidden, logits)
+
+    def forward_context(self, plan: StepPlan, kv_caches) -> ForwardContext:
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor(plan.slot_mapping),
+            query_start_loc=self._tensor(plan.query_start_loc),
+            context_lens=self._tensor(plan.context_lens),
+            block_tables=self._tensor(plan.block_tables),
+            is_decode=plan.kind is StepKind.DECODE,
+            max_query_len=plan.max_query_len,
+            max_context_len=int(plan.context_lens.max()) if plan.num_seqs else 0,
+            query_start_loc_host=plan.query_start_loc.tolist(),
+            context_lens_host=plan.context_lens.tolist())
+        return ForwardContext(self._tensor(plan.positions), attn, kv_caches)
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _copy_blocks(copies: np.ndarray, kv_caches) -> None:
+        if not copies.size:
+            return
+        src = torch.from_numpy(copies[:, 0].copy()).to(kv_caches[0][0].device)
+        dst = torch.from_numpy(copies[:, 1].copy()).to(kv_caches[0][0].device)
+        for k_cache, v_cache in kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
