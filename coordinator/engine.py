@@ -89,11 +89,16 @@ class Engine:
         if params.num_sequences * self.blocks.blocks_needed(len(ids) + 1) > self.blocks.num_blocks:
             raise RequestError(INVALID_PARAMS, "request needs more KV blocks than the cache holds")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
+        """Drop a request (client gone, stop string, shutdown); its final output says why."""
         request = self.requests.get(request_id)
-        if request is not None:
+        if request is None:
+            return
+        if error is not None:
+            self._fail(request, *error)
+        else:
             self._finish_request(request, "abort")
-            self._ready.append(self._output(request))
+        self._ready.append(self._output(request))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._ready)

@@ -1,0 +1,171 @@
+"""Rank 0's serving loop: ZeroMQ requests in, engine steps, outputs out, plans to every rank.
+
+Never blocks on the API: incoming messages are drained without waiting while there is work,
+and with a 50 ms poll when idle. While idle a heartbeat plan goes out every second so the
+other ranks' collectives never time out. SIGTERM/SIGINT start a drain: new requests get 503,
+in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an error answer.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from api import wire
+from coordinator.custom_outputs import RequestError
+from coordinator.engine import Engine
+from coordinator.sampling_params import SamplingParams
+from ranks.group import PlanChannel
+from ranks.plan import StepKind, StepPlan
+
+log = logging.getLogger("tapserve.coordinator")
+HEARTBEAT_SECONDS = 1.0
+STATS_SECONDS = 1.0
+SHUTTING_DOWN = 503
+
+
+@dataclass
+class LoopSettings:
+    ipc_dir: str
+    shutdown_timeout: float = 10.0
+    log_requests: bool = False
+
+
+class CoordinatorLoop:
+    def __init__(self, engine: Engine, settings: LoopSettings, channel: PlanChannel | None,
+                 api_process: subprocess.Popen | None):
+        self.engine, self.settings, self.channel = engine, settings, channel
+        self.api_process = api_process
+        self.zmq = zmq.Context()
+        self.incoming = self.zmq.socket(zmq.PULL)
+        self.incoming.bind(f"ipc://{settings.ipc_dir}/to_engine")
+        self.outgoing = self.zmq.socket(zmq.PUSH)
+        self.outgoing.bind(f"ipc://{settings.ipc_dir}/from_engine")
+        self.stop_requested_at: float | None = None
+        self._last_plan = self._last_stats = time.monotonic()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_requested_at is None:
+            log.info("signal %s: draining for up to %.0f s", signum, self.settings.shutdown_timeout)
+            self.stop_requested_at = time.monotonic()
+
+    def run(self) -> int:
+        """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""
+        try:
+            while True:
+                if self.api_process is not None and self.api_process.poll() is not None:
+                    log.error("API process exited with %s; stopping", self.api_process.returncode)
+                    return 1
+                self._receive(block=not self.engine.has_work())
+                if self.stop_requested_at is not None and self._drained():
+                    return 0
+                if self.engine.has_work():
+                    self._send_outputs(self.engine.step())
+                    self._last_plan = time.monotonic()
+                self._tick()
+        finally:
+            self._stop()
+
+    # ---- messages --------------------------------------------------------------------------
+    def _receive(self, block: bool) -> None:
+        if block and not self.incoming.poll(50):
+            return
+        while True:
+            try:
+                data = self.incoming.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(wire.decode(data))
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, wire.AbortRequest):
+            self.engine.abort_request(msg.request_id)
+            return
+        if not isinstance(msg, wire.AddRequest):
+            return
+        if self.settings.log_requests:
+            log.info("request %s: %d prompt tokens, params %s", msg.request_id,
+                     len(msg.prompt_token_ids), msg.sampling_params)
+        self._send_outputs([self._admit(msg)])
+
+    def _admit(self, msg: wire.AddRequest) -> wire.RequestOutput:
+        if self.stop_requested_at is not None:
+            return self._rejection(msg.request_id, SHUTTING_DOWN, "server is shutting down")
+        try:
+            params = SamplingParams.from_dict(msg.sampling_params)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
+                                    msg.custom_output_params)
+        except RequestError as e:
+            return self._rejection(msg.request_id, e.code, e.message)
+        except (ValueError, TypeError) as e:
+            return self._rejection(msg.request_id, wire.INVALID_PARAMS, str(e))
+        return wire.RequestOutput(msg.request_id, accepted=True,
+                                  num_prompt_tokens=len(msg.prompt_token_ids))
+
+    @staticmethod
+    def _rejection(request_id: str, code: int, message: str) -> wire.RequestOutput:
+        return wire.RequestOutput(request_id, accepted=False, finished=True,
+                                  error_code=code, error_message=message)
+
+    def _send_outputs(self, outputs: list[wire.RequestOutput]) -> None:
+        if outputs:
+            self.outgoing.send(wire.encode(wire.Outputs(outputs)))
+
+    # ---- housekeeping ------------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.channel is not None and now - self._last_plan >= HEARTBEAT_SECONDS:
+            self.channel.send(StepPlan(kind=StepKind.HEARTBEAT))
+            self._last_plan = now
+        if now - self._last_stats >= STATS_SECONDS:
+            self.outgoing.send(wire.encode(self.stats()))
+            self._last_stats = now
+
+    def stats(self) -> wire.EngineStats:
+        e = self.engine
+        return wire.EngineStats(
+            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            kv_blocks_total=e.blocks.num_blocks,
+            kv_blocks_used=e.blocks.num_blocks - e.blocks.num_free_blocks,
+            prefix_cache_queries=e.blocks.stats.queried_tokens,
+            prefix_cache_hits=e.blocks.stats.hit_tokens,
+            custom_output_calls=e.custom_stats.calls, custom_output_errors=e.custom_stats.errors)
+
+    def _drained(self) -> bool:
+        if not self.engine.requests:
+            return True
+        if time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout:
+            return False
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id, error=(SHUTTING_DOWN, "server shut down before "
+                                                         "the request finished"))
+        self._send_outputs(self.engine.step())
+        return True
+
+    def _stop(self) -> None:
+        try:
+            self.outgoing.send(wire.encode(wire.Shutdown("engine stopped")), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        if self.channel is not None:
+            try:
+                self.channel.send(StepPlan(kind=StepKind.STOP))
+            except RuntimeError:
+                pass  # a peer is already gone
+        if self.api_process is not None and self.api_process.poll() is None:
+            self.api_process.terminate()
+            try:
+                self.api_process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.api_process.kill()
+        self.incoming.close(0)
+        self.outgoing.close(0)
+        self.zmq.term()

@@ -1,0 +1,149 @@
+"""tapserve launcher.
+
+    python launch.py [--model DIR] ...                       one process (TP = 1)
+    torchrun --nproc-per-node=N launch.py --model DIR ...    N tensor-parallel ranks
+
+Rank 0 runs the coordinator and spawns the API process; other ranks run the worker loop.
+`--prompt TEXT` generates once offline and prints the result instead of serving.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from coordinator.config import EngineConfig
+
+DEMO_HEAD = "model.demo:DemoHead"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="tapserve: LLM serving with custom output heads")
+    a = p.add_argument
+    a("--model", help="checkpoint folder (default: the embedded demo model)")
+    a("--tokenizer", help="tokenizer folder (default: the model folder)")
+    a("--served-model-name", help="model name in the API (default: folder name)")
+    a("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+    a("--device", help="cpu or cuda (default: cuda if available)")
+    a("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    a("--tp", type=int, help="tensor-parallel size (default and only allowed value: the world size)")
+    a("--custom-module", help="deployment head: path/to/file.py[:Class] or package.module:Class "
+                              "('none' disables the demo head)")
+    a("--custom-output-reuse", default="omit", choices=["omit", "recompute"])
+    a("--output-workers", type=int, default=0, help="custom-output dispatch threads (0 = serial)")
+    a("--block-size", type=int, default=16)
+    a("--kv-cache-memory", type=float, help="GiB of KV cache per rank (CPU default: 2)")
+    a("--gpu-memory-utilization", type=float, default=0.9)
+    a("--num-kv-blocks", type=int, help="exact number of KV blocks (overrides the memory budget)")
+    a("--max-num-seqs", type=int, default=256)
+    a("--max-num-batched-tokens", type=int, default=8192)
+    a("--max-model-len", type=int)
+    a("--enforce-eager", action="store_true", help="no CUDA graphs")
+    a("--no-prefix-caching", action="store_true")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--api-key")
+    a("--max-queued-requests", type=int, default=1024)
+    a("--shutdown-timeout", type=float, default=10.0)
+    a("--seed", type=int, default=0)
+    a("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
+    a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    a("--prompt", help="generate once for this prompt, print it and exit (no server)")
+    a("--max-new-tokens", type=int, default=32, help="with --prompt")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    custom = args.custom_module
+    if custom is None and args.model is None:
+        custom = DEMO_HEAD  # the embedded demo model ships with its demo head
+    return EngineConfig(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        load_format=args.load_format, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        custom_module=None if custom == "none" else custom,
+        custom_output_reuse=args.custom_output_reuse, output_workers=args.output_workers,
+        enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
+    from coordinator.offline import LLM
+    from coordinator.sampling_params import SamplingParams
+    llm = LLM(config)
+    result = llm.generate([args.prompt], SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                        temperature=0.0))[0]
+    print(result.outputs[0].text)
+    if result.custom_output is not None:
+        print("custom_output:", result.custom_output.tolist())
+    return 0
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    import torch
+    from coordinator.config import build_engine, build_runner
+    from ranks.group import PlanChannel, init_distributed, shutdown_distributed
+    from ranks.worker import ignore_termination_signals, run_worker
+
+    device_type = torch.device(config.device).type if config.device else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = init_distributed(device_type)
+    if args.tp is not None and args.tp != ctx.world_size:
+        raise SystemExit(f"--tp {args.tp} does not match the world size {ctx.world_size} "
+                         f"(start N ranks with torchrun --nproc-per-node=N)")
+    if not ctx.is_driver:
+        ignore_termination_signals()
+    runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
+    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    try:
+        if not ctx.is_driver:
+            run_worker(runner, channel)
+            return 0
+        engine = build_engine(config, runner, channel.send if channel else (lambda plan: None))
+        return run_coordinator(args, config, engine, channel)
+    finally:
+        shutdown_distributed()
+
+
+def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
+    from api.server import ApiConfig
+    from coordinator.loop import CoordinatorLoop, LoopSettings
+    ipc_dir = tempfile.mkdtemp(prefix="tapserve-")  # mode 0700
+    try:
+        loop = CoordinatorLoop(engine, LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests),
+                               channel, None)
+        loop.install_signal_handlers()
+        model_dir = config.model_dir()
+        api = ApiConfig(
+            ipc_dir=ipc_dir, tokenizer=str(config.tokenizer or model_dir),
+            served_model_name=args.served_model_name or (os.path.basename(str(model_dir)) if args.model
+                                                         else "tapserve-demo"),
+            host=args.host, port=args.port, api_key=args.api_key,
+            max_queued_requests=args.max_queued_requests,
+            max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
+            log_requests=args.log_requests)
+        loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],
+                                            cwd=os.path.dirname(os.path.abspath(__file__)))
+        logging.getLogger("tapserve").info("serving on http://%s:%d", args.host, args.port)
+        return loop.run()
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = engine_config(args)
+    if args.prompt is not None:
+        return run_prompt(args, config)
+    return serve(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

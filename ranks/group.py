@@ -1,0 +1,98 @@
+"""Process groups and the step-plan channel.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them tapserve runs as one process with
+no process group at all. The model's collectives use NCCL on CUDA and gloo on CPU; a second
+gloo group carries plans, so CPU and GPU share one code path. Both groups time out after
+`peer_timeout` seconds, which bounds how long a rank waits for a dead peer.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from model.layers import TPGroup
+from ranks.plan import StepPlan, decode_plan, encode_plan
+
+HEADER_BYTES = 8
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: TPGroup
+    plan_group: Any  # gloo group for plans (None when world_size == 1)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def min_across_ranks(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group)
+        return int(t.item())
+
+
+def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContext:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size == 1:
+        return DistContext(0, 1, 0, TPGroup(), None)
+    timeout = timedelta(seconds=peer_timeout)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, timeout=timeout,
+                            device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
+    plan_group = dist.new_group(backend="gloo", timeout=timeout)
+    tp = TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
+    return DistContext(rank, world_size, local_rank, tp, plan_group)
+
+
+class PlanChannel:
+    """Broadcasts one StepPlan per step from rank 0: a fixed-size first message holding the
+    length and as much of the msgpack payload as fits (one broadcast for most steps), then the
+    remainder, if any, in a second broadcast."""
+
+    def __init__(self, group: Any, first_message_bytes: int = 16 * 1024):
+        self.group = group
+        self.first = torch.zeros(first_message_bytes, dtype=torch.uint8)
+        self.capacity = first_message_bytes - HEADER_BYTES
+
+    def send(self, plan: StepPlan) -> None:
+        payload = encode_plan(plan)
+        n = len(payload)
+        head = self.first.numpy()
+        head[:HEADER_BYTES] = memoryview(n.to_bytes(HEADER_BYTES, "little"))
+        k = min(n, self.capacity)
+        head[HEADER_BYTES:HEADER_BYTES + k] = memoryview(payload)[:k]
+        dist.broadcast(self.first, src=0, group=self.group)
+        if n > k:
+            rest = torch.frombuffer(bytearray(payload[k:]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+
+    def recv(self) -> StepPlan:
+        dist.broadcast(self.first, src=0, group=self.group)
+        head = self.first.numpy()
+        n = int.from_bytes(head[:HEADER_BYTES].tobytes(), "little")
+        k = min(n, self.capacity)
+        payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes()
+        if n > k:
+            rest = torch.empty(n - k, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        return decode_plan(payload)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,52 @@
+"""Run under torchrun (or plain python): generate for the requests in a JSON file and, on rank 0,
+write the results (tokens, last-position logits, custom outputs, handler calls per rank)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+torch.set_num_threads(1)
+
+from coordinator.config import EngineConfig, build_engine, build_runner  # noqa: E402
+from coordinator.sampling_params import SamplingParams  # noqa: E402
+from ranks.group import PlanChannel, init_distributed, shutdown_distributed  # noqa: E402
+from ranks.plan import StepKind, StepPlan  # noqa: E402
+from ranks.worker import run_worker  # noqa: E402
+
+
+def main(spec_file: str, out_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    config = EngineConfig(**spec["engine"])
+    ctx = init_distributed("cpu")
+    runner = build_runner(config, ctx.tp, torch.device("cpu"), ctx.min_across_ranks)
+    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    if not ctx.is_driver:
+        run_worker(runner, channel)
+        shutdown_distributed()
+        return
+    engine = build_engine(config, runner, channel.send if channel else (lambda p: None))
+    results = {}
+    for i, req in enumerate(spec["requests"]):
+        engine.add_request(str(i), req["prompt"], SamplingParams(**req["params"]),
+                           req.get("custom_output_params"))
+    while engine.has_work():
+        for out in engine.step():
+            r = results.setdefault(out.request_id, {"tokens": {}, "custom_output": None})
+            for s in out.sequences:
+                r["tokens"].setdefault(str(s.index), []).extend(s.new_token_ids)
+            if out.custom_output is not None:
+                r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
+            r["cached"] = out.num_cached_tokens
+    results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
+    if channel:
+        channel.send(StepPlan(kind=StepKind.STOP))
+    Path(out_file).write_text(json.dumps(results))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
