@@ -62,7 +62,7 @@ class BlockManager:
         return self.blocks_needed(seq.num_tokens) - hits <= self.num_free_blocks - hit_free
 
     def can_append(self, seqs: list[Sequence]) -> bool:
-        return sum(self._needs_new_block(s) for s in seqs) <= self.num_free_blocks
+        return sum(self._blocks_to_append(s) for s in seqs) <= self.num_free_blocks
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq: Sequence, reuse_cap: int | None = None) -> int:
@@ -83,24 +83,28 @@ class BlockManager:
             self.stats.hit_tokens += num_cached
         return num_cached
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make room for the sequence's newest token (call before a decode step)."""
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the sequence's newest token (call before a decode step). The partly
+        filled block it writes into, if still shared with a fork, is first copied to a block
+        of its own (copy-on-write): the returned (src, dst) copy must run on every rank
+        before the next forward."""
+        copy = None
+        i = self._shared_write_block(seq)
+        if i is not None:
+            src, dst = seq.block_table[i], self._take_fresh()
+            self.blocks[src].ref_count -= 1  # still >= 1: the other sharers keep it
+            seq.block_table[i] = dst
+            copy = (src, dst)
         if self._needs_new_block(seq):
             seq.block_table.append(self._take_fresh())
+        return copy
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Share parent's blocks with child. A partly filled last block is copied (the
-        returned (src, dst) copy must run on every rank before the next forward)."""
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share all of parent's blocks with child. A partly filled last block is copied
+        only when one of them writes into it (append_slot), so a fork allocates nothing."""
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
-        if parent.num_computed_tokens % self.block_size == 0 or not child.block_table:
-            return None
-        src = child.block_table[-1]
-        self.blocks[src].ref_count -= 1
-        dst = self._take_fresh()
-        child.block_table[-1] = dst
-        return src, dst
 
     def free_sequence(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -148,6 +152,17 @@ class BlockManager:
 
     def _needs_new_block(self, seq: Sequence) -> bool:
         return seq.num_tokens > len(seq.block_table) * self.block_size
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in seq's block table of the block its next computed token goes into, if
+        another sequence shares that block (a fork's partly filled block)."""
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
+    def _blocks_to_append(self, seq: Sequence) -> int:
+        return int(self._shared_write_block(seq) is not None) + int(self._needs_new_block(seq))
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -93,5 +93,6 @@ def build_engine(config: EngineConfig, runner: ModelRunner,
         vocab_size=model_cfg.vocab_size,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
         enable_prefix_caching=config.enable_prefix_caching,
-        custom_output_reuse=config.custom_output_reuse, seed=config.seed)
+        custom_output_reuse=config.custom_output_reuse, seed=config.seed,
+        output_workers=config.output_workers)
     return Engine(runner, options, handler, send_plan)

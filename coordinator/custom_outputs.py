@@ -36,14 +36,26 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
     for method in ("select_token_position", "forward"):
         if not callable(getattr(handler, method, None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} has no method {method}()")
-    names = list(getattr(handler, "weight_names", lambda: [])())
+    try:
+        names = list(getattr(handler, "weight_names", lambda: [])() or [])
+    except Exception as e:
+        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: {e}") from e
     if names:
-        handler.load_weights(_find_tensors(names, model_dir, module_weights_file(spec), device))
+        if not callable(getattr(handler, "load_weights", None)):
+            raise HandlerLoadError(f"custom handler {cls.__name__} names weights but has no "
+                                   f"method load_weights()")
+        tensors = _find_tensors(names, model_dir, module_weights_file(spec), device)
+        try:
+            handler.load_weights(tensors)
+        except Exception as e:
+            raise HandlerLoadError(f"custom handler {cls.__name__}.load_weights() failed: "
+                                   f"{type(e).__name__}: {e}") from e
     try:
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
-        check_output(handler.forward(zero), 1)
+        with torch.inference_mode():
+            check_output(handler.forward(zero), 1)
     except Exception as e:
-        raise HandlerLoadError(f"custom handler dry run failed: {e}") from e
+        raise HandlerLoadError(f"custom handler dry run failed: {type(e).__name__}: {e}") from e
     return handler
 
 
@@ -96,25 +108,50 @@ class CustomOutputStats:
     errors: int = 0
 
 
-def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputStats) -> list[dict]:
-    """One call for all selected rows of a step; returns one wire value per row:
-    {"dtype", "shape", "data"} with the row kept as [1] or [1, width]. Raises CustomOutputError."""
+@dataclass
+class HostRows:
+    """A step's handler output after its one device-to-host copy: `array` is the numpy
+    carrier ([rows] or [rows, width]; bfloat16 travels as its int16 bit pattern)."""
+    dtype: str
+    array: np.ndarray
+
+    def __len__(self) -> int:
+        return self.array.shape[0]
+
+    def row(self, i: int) -> np.ndarray:
+        """Row i kept as [1] or [1, width] (a view: copy it before the buffer is reused)."""
+        return self.array[i:i + 1]
+
+
+def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputStats) -> HostRows:
+    """One call for all selected rows of a step, checked, then the step's one device-to-host
+    copy. Raises CustomOutputError (the caller fails exactly these rows' requests with 606)."""
     stats.calls += 1
     rows = hidden_rows.shape[0]
     try:
-        out = check_output(handler.forward(hidden_rows), rows)
+        with torch.inference_mode():  # the hidden states are inference tensors; no autograd
+            out = check_output(handler.forward(hidden_rows), rows)
+            host = out.detach().contiguous().cpu()  # the step's one device-to-host copy
     except CustomOutputError:
         stats.errors += 1
         raise
     except Exception as e:
         stats.errors += 1
         raise CustomOutputError(f"{type(e).__name__}: {e}") from e
-    host = out.detach().contiguous().cpu()  # the step's one device-to-host copy
-    dtype = ALLOWED_DTYPES[host.dtype]
     raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
-    array = raw.numpy()
-    return [{"dtype": dtype, "shape": [1, *host.shape[1:]], "data": array[i:i + 1].tobytes()}
-            for i in range(rows)]
+    return HostRows(ALLOWED_DTYPES[host.dtype], raw.numpy())
+
+
+def encode_row(row: np.ndarray, dtype: str) -> dict:
+    """One request's row ([1] or [1, width] numpy carrier) -> wire value {dtype, shape, data}
+    (raw little-endian bytes)."""
+    return {"dtype": dtype, "shape": list(row.shape), "data": row.astype(row.dtype.newbyteorder("<"),
+                                                                          copy=False).tobytes()}
+
+
+def wire_values(host: HostRows) -> list[dict]:
+    """Every row's wire value, serially (the dispatcher does the same per request)."""
+    return [encode_row(host.row(i), host.dtype) for i in range(len(host))]
 
 
 def decode_value(value: dict) -> torch.Tensor:

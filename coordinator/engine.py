@@ -6,7 +6,8 @@ coordinator/offline.py drives it for offline use; coordinator/loop.py drives it 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
 
@@ -15,8 +16,9 @@ import torch
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput, SequenceOutput
 from coordinator.beam_search import BeamSearch
 from coordinator.blocks import BlockManager
-from coordinator.custom_outputs import (CustomOutputStats, RequestError, run_handler,
+from coordinator.custom_outputs import (CustomOutputStats, RequestError, encode_row, run_handler,
                                         select_position)
+from coordinator.output_dispatch import OutputDispatcher
 from coordinator.planner import PlanRows, build_plan
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
@@ -25,6 +27,8 @@ from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
 from model.custom_output import CustomOutputError
 from ranks.plan import StepPlan
 from ranks.runner import ModelRunner, StepOutput
+
+log = logging.getLogger("tapserve.coordinator")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     custom_output_reuse: str = "omit"  # or "recompute"
     seed: int = 0
+    output_workers: int = 0  # custom-output dispatch threads (0 = serial)
 
     def __post_init__(self) -> None:
         if self.custom_output_reuse not in ("omit", "recompute"):
@@ -45,6 +50,11 @@ class EngineOptions:
 class Engine:
     def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
                  send_plan: Callable[[StepPlan], None] = lambda plan: None):
+        capacity = runner.num_blocks * runner.cfg.block_size
+        if options.max_model_len > capacity:  # one sequence must always fit the KV cache
+            log.warning("max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
+                        options.max_model_len, capacity, capacity)
+            options = replace(options, max_model_len=capacity)
         self.runner, self.options, self.handler = runner, options, handler
         self.send_plan = send_plan
         self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
@@ -55,8 +65,9 @@ class Engine:
         self.seqs = SequenceFactory()
         self.requests: dict[str, Request] = {}
         self.custom_stats = CustomOutputStats()
+        self.dispatcher = OutputDispatcher(options.output_workers)
+        self._custom_pending: list[tuple[Request, object]] = []  # (request, Future of its value)
         self._arrivals = count()
-        self._pending_copies: list[tuple[int, int]] = []
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 
     # ---- requests ----------------------------------------------------------------------
@@ -86,8 +97,16 @@ class Engine:
         if bad:
             raise RequestError(INVALID_PARAMS, f"prompt token ids outside the vocabulary "
                                                f"[0, {self.options.vocab_size}): {bad[:5]}")
-        if params.num_sequences * self.blocks.blocks_needed(len(ids) + 1) > self.blocks.num_blocks:
-            raise RequestError(INVALID_PARAMS, "request needs more KV blocks than the cache holds")
+        if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
+            if params.num_beams > self.options.scheduler.max_num_batched_tokens:
+                raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "
+                                                   f"max_num_batched_tokens")
+            longest = min(len(ids) + params.max_new_tokens, self.options.max_model_len)
+            need = params.num_beams * self.blocks.blocks_needed(longest)
+            if need > self.blocks.num_blocks:
+                raise RequestError(INVALID_PARAMS, f"request needs {need} KV blocks for its "
+                                                   f"{params.num_beams} beams; the KV cache holds "
+                                                   f"{self.blocks.num_blocks}")
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""
@@ -109,8 +128,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
-        plan, rows = build_plan(batch, self.blocks.block_size, self._pending_copies)
-        self._pending_copies = []
+        plan, rows = build_plan(batch, self.blocks.block_size, batch.block_copies)
+        plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
         touched = self._postprocess(batch, plan, rows, result)
@@ -127,20 +146,39 @@ class Engine:
         live = [(i, s) for i, s in enumerate(rows.logit_seqs) if s.request.error_code is None]
         if live:
             self._sample(result.logits, live)
+        self._collect_custom()
         touched = list(dict.fromkeys(s.request for s in batch.seqs))
         for request in touched:
             self._finish_scoring_only(request)
         return touched
 
     def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
+        """One handler call and one device-to-host copy for the step's rows; each request's
+        row is queued (copied) on the output dispatcher, collected by _collect_custom."""
         try:
-            values = run_handler(self.handler, hidden_rows, self.custom_stats)
+            host = run_handler(self.handler, hidden_rows, self.custom_stats)
         except CustomOutputError as e:
             for seq in seqs:
                 self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: {e}")
             return
-        for seq, value in zip(seqs, values):
-            seq.request.custom_output = value
+        for i, seq in enumerate(seqs):
+            rid = seq.request.request_id
+            future = self.dispatcher.submit(rid, encode_row, host.row(i), host.dtype)
+            self._custom_pending.append((seq.request, future))
+
+    def _collect_custom(self) -> None:
+        """Wait for this step's dispatched values (in queue order) before outputs are built."""
+        pending, self._custom_pending = self._custom_pending, []
+        for request, future in pending:
+            try:
+                request.custom_output = future.result()
+            except Exception as e:
+                self._fail(request, EXECUTION_EXCEPTION, f"custom output processor failed: "
+                                                         f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Stop the output dispatcher's threads (the engine is not used afterwards)."""
+        self.dispatcher.close()
 
     def _finish_scoring_only(self, request: Request) -> None:
         seq = request.sequences[0]
@@ -183,9 +221,7 @@ class Engine:
         for j in range(count_):
             index = (first_index if first_index is not None else 1) + j
             child = self.seqs.fork(parent, index)
-            copy = self.blocks.fork(parent, child)
-            if copy is not None:
-                self._pending_copies.append(copy)
+            self.blocks.fork(parent, child)
             request.sequences.append(child)
             if child.status is SeqStatus.RUNNING:
                 self.scheduler.running.append(child)
@@ -260,8 +296,14 @@ class Engine:
         finished = request.is_finished
         if finished:
             self.requests.pop(request.request_id, None)
-        seqs = self.beams.final_outputs(request) if request.params.num_beams > 1 and finished \
-            else [self._seq_output(s) for s in request.sequences]
+        if request.params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
+            reason = request.sequences[0].finish_reason
+            seqs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
+                    for i in range(request.params.n)]
+        elif request.params.num_beams > 1:  # beams are sent once, when done: the best n of them
+            seqs = self.beams.final_outputs(request) if finished else []
+        else:
+            seqs = [self._seq_output(s) for s in request.sequences]
         return RequestOutput(
             request_id=request.request_id, sequences=seqs, finished=finished,
             custom_output=request.custom_output, error_code=request.error_code,
@@ -271,8 +313,6 @@ class Engine:
     @staticmethod
     def _seq_output(seq: Sequence) -> SequenceOutput:
         start = seq.num_emitted_tokens
-        if seq.request.params.num_beams > 1:
-            return SequenceOutput(index=seq.index)  # beams are sent once, when done
         seq.num_emitted_tokens = seq.num_output_tokens
         want_lp = seq.request.params.logprobs
         return SequenceOutput(

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import count
+from pathlib import Path
 
 import torch
 
@@ -65,14 +66,15 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         cop = custom_output_params or [None] * len(prompts)
         results: dict[str, GenerationResult] = {}
-        for prompt, p, c in zip(prompts, params_list, cop):
+        token_ids = [self._encode(prompt) for prompt in prompts]  # before anything is queued
+        for ids, p, c in zip(token_ids, params_list, cop):
             rid = f"offline-{next(self._ids)}"
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             results[rid] = GenerationResult(rid, ids)
             try:
                 self.engine.add_request(rid, ids, p, c)
             except RequestError as e:
                 if raise_errors:
+                    self._abort(list(results)[:-1])  # this call's requests must not linger
                     raise
                 results[rid].error_code, results[rid].error_message = e.code, e.message
         while self.engine.has_work():
@@ -84,9 +86,28 @@ class LLM:
                     o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
         return list(results.values())
 
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and the model folder has none: "
+                             "pass token ids or EngineConfig(tokenizer=...)")
+        return self.tokenizer.encode(prompt)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort_request(rid)
+        while self.engine.has_work():
+            self.engine.step()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def _load_tokenizer(config: EngineConfig):
-    path = config.tokenizer or config.model_dir()
+    path = Path(config.tokenizer or config.model_dir())
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None  # transformers would build an empty tokenizer from config.json alone
     try:
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -55,10 +55,18 @@ def build_plan(batch: ScheduledBatch, block_size: int,
     for i, t in enumerate(tables):
         block_tables[i, :len(t)] = t
     plan = StepPlan(
-        kind=StepKind.DECODE if batch.is_decode else StepKind.PREFILL,
+        kind=_step_kind(batch),
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
         context_lens=np.asarray(context_lens, np.int32), block_tables=block_tables,
         logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
     return plan, rows
+
+
+def _step_kind(batch: ScheduledBatch) -> StepKind:
+    decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                for s, n in zip(batch.seqs, batch.num_new_tokens)]
+    if all(decoding):
+        return StepKind.DECODE
+    return StepKind.MIXED if any(decoding) else StepKind.PREFILL

@@ -1,8 +1,9 @@
 """Token sampling on rank 0: logit processors, then greedy or random choice, plus logprobs.
 
-Random choice uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1)), so a seeded
-row draws its noise from its own generator, keyed by (seed, sample index, output length):
-the same tokens whatever else shares the batch.
+Vectorized over the batch with one host sync (the chosen ids). Random choice uses the
+exponential race (argmax p_i / E_i with E_i ~ Exp(1)); a seeded row draws its noise from its
+own generator keyed by (seed, sample index, output length), so it yields the same tokens
+whatever else shares the batch. Logprobs are those of the raw model distribution.
 """
 from __future__ import annotations
 
@@ -36,29 +37,38 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.process(logits, rows)
-        chosen = [self._choose(logits[i], row) for i, row in enumerate(rows)]
-        logprobs = [raw_logprobs[i, c].tolist() for i, c in enumerate(chosen)]
-        top = None
-        if any(r.params.top_logprobs > 0 for r in rows):
-            top = [self._top(raw_logprobs[i], r.params.top_logprobs, len(c))
-                   for i, (r, c) in enumerate(zip(rows, chosen))]
-        return SampleResult([c.tolist() for c in chosen], logprobs, top)
+        want_lp = any(r.params.logprobs for r in rows)
+        raw = logits.float().clone() if want_lp else None
+        logits = self.process(logits.float(), rows)
+        expand = [i for i, r in enumerate(rows) for _ in range(r.num_samples)]
+        keys = [(r, r.seed_key + k) for r in rows for k in range(r.num_samples)]
+        if len(expand) != len(rows):
+            logits = logits[torch.tensor(expand, device=logits.device)]
+        chosen = self._choose(logits, [r for r, _ in keys], [k for _, k in keys])
+        flat_ids = chosen.tolist()  # the step's one host sync
+        lp, top = self._logprobs(raw, expand, chosen, rows, keys) if want_lp else (None, None)
+        token_ids, logprobs, tops, j = [], [], [] if top else None, 0
+        for r in rows:
+            token_ids.append(flat_ids[j:j + r.num_samples])
+            logprobs.append(lp[j:j + r.num_samples] if lp else [0.0] * r.num_samples)
+            if top is not None:
+                tops.append(top[j:j + r.num_samples])
+            j += r.num_samples
+        return SampleResult(token_ids, logprobs, tops)
 
-    # ---- logit processors ---------------------------------------------------------
+    # ---- logit processors (only rows that ask for them pay) ----------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        vocab = logits.shape[1]
         for i, row in enumerate(rows):
             p = row.params
             if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                vals = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                valid = ids < logits.shape[1]
-                logits[i, ids[valid]] += vals[valid]
+                ids = [t for t in p.logit_bias if 0 <= t < vocab]
+                vals = torch.tensor([p.logit_bias[t] for t in ids], device=logits.device)
+                logits[i, ids] += vals
             if len(row.output_token_ids) < p.min_tokens:
-                banned = [t for t in (row.eos_token_ids + p.stop_token_ids) if t < logits.shape[1]]
+                banned = [t for t in (row.eos_token_ids + p.stop_token_ids) if 0 <= t < vocab]
                 logits[i, banned] = float("-inf")
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 self._penalize(logits[i], row)
@@ -78,42 +88,61 @@ class Sampler:
             counts = torch.bincount(out, minlength=row_logits.shape[0]).to(row_logits.dtype)
             row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
-    # ---- choice ---------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-        p = row.params
-        if p.greedy:
-            return logits.argmax().repeat(row.num_samples)
-        probs = self._filtered_probs(logits / p.temperature, p)
-        picks = [self._race(probs, row, k) for k in range(row.num_samples)]
-        return torch.stack(picks)
+    # ---- choice --------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor, rows: list[SampleRow], keys: list[int]) -> torch.Tensor:
+        greedy = [r.params.greedy for r in rows]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy):
+            return argmax
+        dev = logits.device
+        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+                             device=dev)
+        probs = self._filtered_probs(logits / temps[:, None], rows)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, (r, key) in enumerate(zip(rows, keys)):
+            if r.params.seed is not None and not greedy[i]:
+                seed = hash((r.params.seed, key, len(r.output_token_ids))) & (2**63 - 1)
+                gen = torch.Generator(device=dev).manual_seed(seed)
+                noise[i].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=dev), argmax, sampled)
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        if p.top_k > 0 and p.top_k < logits.shape[0]:
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p  # keep the token crossing top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        dev, vocab = logits.device, logits.shape[1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            k = torch.tensor(top_k, device=dev)
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (the crossing token stays)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop = before > torch.tensor(top_p, device=dev)[:, None]
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        probs = logits.softmax(dim=-1)
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
-    def _race(self, probs: torch.Tensor, row: SampleRow, k: int) -> torch.Tensor:
-        if row.params.seed is None:
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        else:
-            key = hash((row.params.seed, row.seed_key + k, len(row.output_token_ids))) & (2**63 - 1)
-            gen = torch.Generator(device=probs.device).manual_seed(key)
-            noise = torch.empty_like(probs).exponential_(generator=gen)
-        return (probs / noise).argmax()
-
+    # ---- logprobs --------------------------------------------------------------------------------
     @staticmethod
-    def _top(logprobs: torch.Tensor, k: int, num_samples: int) -> list[list[list]]:
+    def _logprobs(raw: torch.Tensor, expand: list[int], chosen: torch.Tensor,
+                  rows: list[SampleRow], keys: list) -> tuple[list[float], list | None]:
+        if len(expand) != raw.shape[0]:
+            raw = raw[torch.tensor(expand, device=raw.device)]
+        logprobs = torch.log_softmax(raw, dim=-1)
+        picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+        k = max(r.params.top_logprobs for r in rows)
         if k == 0:
-            return [[] for _ in range(num_samples)]
-        vals, ids = torch.topk(logprobs, k)
-        pairs = [[int(t), float(v)] for t, v in zip(ids.tolist(), vals.tolist())]
-        return [pairs for _ in range(num_samples)]
+            return picked, None
+        vals, ids = logprobs.topk(k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        top = [[[t, v] for t, v in zip(ids[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs])]
+               for i, (r, _) in enumerate(keys)]
+        return picked, top

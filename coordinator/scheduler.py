@@ -3,8 +3,10 @@
 Each step the scheduler first serves running sequences (one token for a decoding sequence,
 the next chunk for a prefilling one), then admits waiting requests in arrival order while
 sequences, tokens and KV blocks allow. When a running sequence needs a block and none is
-free, the most recently arrived running request is preempted: its blocks are freed and it
-is recomputed later (its prefix may come back from the prefix cache).
+free, the most recently arrived running sequence is preempted (a beam-search request's beams
+all together): its blocks are freed and it is recomputed later (its prefix may come back
+from the prefix cache). The samples of an n > 1 request are independent sequences; the beams
+of a request are scheduled together, so they always sample in the same step.
 """
 from __future__ import annotations
 
@@ -31,11 +33,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
-                   for s, n in zip(self.seqs, self.num_new_tokens))
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -72,31 +70,42 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        handled: set[Sequence] = set()
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if not self._reserve_block(seq, batch):
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            if seq.status is not SeqStatus.RUNNING or seq in handled:
+                continue  # preempted earlier in this loop, or scheduled with its beams
+            group = self._group(seq)
+            handled.update(group)
+            if all(self._reserve_block(s, batch) for s in group):
+                budget = self._take_tokens(group, batch, budget)
         return budget
 
+    def _group(self, seq: Sequence) -> list[Sequence]:
+        """The running sequences that advance (and are preempted) together with seq: all
+        beams of a beam-search request; a sample of n > 1 goes alone."""
+        if seq.request.params.num_beams == 1:
+            return [seq]
+        return [s for s in self.running if s.request is seq.request]
+
     def _reserve_block(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Ensure seq has a slot for its newest token, preempting later requests if needed."""
+        """Ensure seq has a slot for its newest token, preempting the most recently arrived
+        sequences if needed. False when seq itself was preempted."""
         while not self.blocks.can_append([seq]):
-            victim = max((s.request for s in self.running), key=lambda r: r.arrival_order)
-            self._preempt(victim, batch)
-            if victim is seq.request:
+            victim = max(self.running, key=lambda s: (s.request.arrival_order, s.index))
+            group = self._group(victim)
+            self._preempt(group, batch)
+            if seq in group:
                 return False
-        self.blocks.append_slot(seq)
+        copy = self.blocks.append_slot(seq)
+        if copy is not None:
+            batch.block_copies.append(copy)
         return True
 
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        for seq in request.live_sequences:
+    def _preempt(self, seqs: list[Sequence], batch: ScheduledBatch) -> None:
+        request = seqs[0].request
+        for seq in seqs:
             if seq in batch.seqs:
                 i = batch.seqs.index(seq)
                 del batch.seqs[i], batch.num_new_tokens[i]
@@ -105,22 +114,40 @@ class Scheduler:
             self.blocks.free_sequence(seq)
             seq.status = SeqStatus.WAITING
             seq.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        if request not in self.waiting:
+            self.waiting.appendleft(request)
         batch.preempted.append(request)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = [s for s in request.live_sequences if s.status is SeqStatus.WAITING]
+            if request.params.num_beams == 1:
+                seqs = seqs[:1]  # samples of n > 1 are independent: admitted one at a time
             if len(self.running) + len(seqs) > self.config.max_num_seqs:
                 break
-            if len(seqs) > 1 and sum(s.num_tokens for s in seqs) > budget:
-                break  # several sequences of one request are recomputed in the same step
             if not self._can_allocate(seqs, request):
                 break
-            self.waiting.popleft()
             for seq in seqs:
-                budget = self._start(seq, request, batch, budget)
+                self._start(seq, request)
+            budget = self._take_tokens(seqs, batch, budget)
+            if not any(s.status is SeqStatus.WAITING for s in request.live_sequences):
+                self.waiting.popleft()
+
+    def _take_tokens(self, seqs: list[Sequence], batch: ScheduledBatch, budget: int) -> int:
+        """Schedule the next tokens of seqs within the budget. Several seqs are the beams of
+        one request, which sample together: either all of them reach their last token in
+        this step, or none does (a recompute after preemption then advances in chunks)."""
+        needs = [s.num_tokens - s.num_computed_tokens for s in seqs]
+        if len(seqs) > 1 and sum(needs) > budget:
+            needs = [n - 1 for n in needs]
+        for seq, need in zip(seqs, needs):
+            n = min(need, budget)
+            if n > 0:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        return budget
 
     def _can_allocate(self, seqs: list[Sequence], request: Request) -> bool:
         need = sum(self.blocks.blocks_needed(s.num_tokens) for s in seqs)
@@ -128,7 +155,7 @@ class Scheduler:
             return self.blocks.can_allocate(seqs[0], request.reuse_cap_tokens)
         return need <= self.blocks.num_free_blocks
 
-    def _start(self, seq: Sequence, request: Request, batch: ScheduledBatch, budget: int) -> int:
+    def _start(self, seq: Sequence, request: Request) -> None:
         cached = self.blocks.allocate(seq, request.reuse_cap_tokens)
         if seq is request.sequences[0] and not request.forked:
             request.num_cached_tokens = cached
@@ -136,7 +163,3 @@ class Scheduler:
                 request.custom_output_skipped = True
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
-        return budget - n

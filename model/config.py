@@ -52,8 +52,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
-                f"unknown architecture {archs!r}: supported are {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"unknown architecture: config.json \"architectures\" is {archs!r}; "
+                             f"supported are {sorted(SUPPORTED_ARCHITECTURES)}")
         rope_params = dict(raw.get("rope_parameters") or {})  # transformers 5
         rope_theta = rope_params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
         rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)

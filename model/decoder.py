@@ -36,7 +36,8 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend,
+                 rotary: RotaryEmbedding):
         super().__init__()
         self.backend = backend
         self.head_dim = cfg.head_dim
@@ -44,8 +45,7 @@ class Attention(nn.Module):
                                           cfg.num_key_value_heads, tp, bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = rotary  # one table shared by every layer
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -79,9 +79,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend,
+                 rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Attention(cfg, tp, backend)
+        self.self_attn = Attention(cfg, tp, backend, rotary)
         self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,12 +107,16 @@ class CausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend | None = None,
+                 max_positions: int | None = None):
         super().__init__()
         backend = backend or AttentionBackend()
         self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                 cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, rotary)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:

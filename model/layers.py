@@ -61,6 +61,7 @@ class ColumnParallelLinear(nn.Module):
             _set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _check_full_shape(loaded, (self.out_per_rank * self.tp.size, *param.shape[1:]))
         shard = loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank)
         _copy_checked(param.data, shard)
 
@@ -76,6 +77,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _check_full_shape(loaded, (self.out_sizes[shard_id], *param.shape[1:]))
         size = self.out_sizes[shard_id] // self.tp.size
         offset = sum(self.out_sizes[:shard_id]) // self.tp.size
         shard = loaded.narrow(0, self.tp.rank * size, size)
@@ -103,6 +105,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = self.num_heads * self.tp.size if shard_id == "q" else self.total_kv_heads
+        _check_full_shape(loaded, (heads * self.head_dim, *param.shape[1:]))
         if shard_id == "q":
             offset, size, index = 0, q_size, self.tp.rank
         else:
@@ -130,6 +134,7 @@ class RowParallelLinear(nn.Module):
             _set_weight_loader(self.bias, _replicated_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _check_full_shape(loaded, (param.shape[0], self.in_per_rank * self.tp.size))
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,6 +205,12 @@ class SiluAndMul(nn.Module):
 
 def _replicated_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
     _copy_checked(param.data, loaded)
+
+
+def _check_full_shape(loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """The checkpoint tensor (before this rank takes its slice) has the model's shape."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {tuple(expected)}")
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

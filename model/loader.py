@@ -39,9 +39,9 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                backend: AttentionBackend | None = None) -> CausalLM:
+                backend: AttentionBackend | None = None, max_positions: int | None = None) -> CausalLM:
     with _default_dtype(dtype), torch.device(device):
-        return CausalLM(cfg, tp, backend).eval()
+        return CausalLM(cfg, tp, backend, max_positions).eval()
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -89,19 +89,21 @@ def _map_name(model: CausalLM, hf_name: str) -> tuple[str, object] | None:
 
 
 def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:
+    """Raise naming, as the checkpoint spells them, the tensors the model needs but did not get."""
+    packed: dict[str, list[tuple[str, object]]] = {}  # our fragment -> [(HF fragment, shard id)]
+    for hf_part, (ours, shard_id) in model.packed_modules.items():
+        packed.setdefault(ours, []).append((hf_part, shard_id))
     missing = []
     for name in params:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        if ".qkv_proj." in name:
-            needed = [f"{name}:{s}" for s in "qkv"]
-        elif ".gate_up_proj." in name:
-            needed = [f"{name}:{s}" for s in (0, 1)]
-        else:
-            needed = [f"{name}:None"]
-        missing += [n for n in needed if n not in loaded]
+        ours = next((o for o in packed if f".{o}." in name), None)
+        parts = [(name, None)] if ours is None else \
+            [(name.replace(f".{ours}.", f".{hf_part}."), shard) for hf_part, shard in packed[ours]]
+        missing += [hf_name if hf_name.startswith("lm_head.") else f"model.{hf_name}"
+                    for hf_name, shard in parts if f"{name}:{shard}" not in loaded]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"
+        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
 
 

@@ -9,11 +9,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from cuda_graphs.decode import DecodeGraphs
 from model.attention import AttentionMetadata
 from model.config import ModelConfig
 from model.decoder import AttentionBackend, ForwardContext
 from model.layers import TPGroup
 from model.loader import build_model, init_dummy_weights, load_weights
+from model.triton_backend import make_triton_backend
 from ranks.plan import StepKind, StepPlan
 
 GiB = 1 << 30
@@ -56,7 +58,10 @@ class ModelRunner:
                  backend: AttentionBackend | None = None, show_progress: bool = True):
         self.model_cfg, self.cfg, self.tp = model_cfg, cfg, tp
         self.device = cfg.device
-        self.model = build_model(model_cfg, tp, cfg.dtype, cfg.device, backend)
+        if backend is None and cfg.device.type == "cuda":
+            backend = make_triton_backend(cfg.max_num_seqs, model_cfg.num_attention_heads // tp.size,
+                                          model_cfg.head_dim, cfg.max_model_len, cfg.device)
+        self.model = build_model(model_cfg, tp, cfg.dtype, cfg.device, backend, cfg.max_model_len)
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
@@ -64,6 +69,17 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        if cfg.device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs,
+                                       -(-cfg.max_model_len // cfg.block_size), cfg.device)
+            self.graphs.capture()
+
+    def graph_bucket_for(self, plan: StepPlan) -> int:
+        """Rank 0 decides, per plan, which captured decode graph every rank replays."""
+        if self.graphs is None or plan.kind is not StepKind.DECODE:
+            return -1
+        return self.graphs.bucket_for(plan.num_seqs)
 
     # ---- KV cache --------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -125,8 +141,10 @@ class ModelRunner:
         self._copy_blocks(plan.block_copies, kv_caches)
         if plan.num_tokens == 0:
             return None
-        ctx = self.forward_context(plan, kv_caches)
-        hidden = self.model(self._tensor(plan.input_ids), ctx)
+        if plan.graph_bucket >= 0:
+            hidden = self.graphs.replay(plan)
+        else:
+            hidden = self.model(self._tensor(plan.input_ids), self.forward_context(plan, kv_caches))
         logits = None
         if plan.logit_rows.size:
             logits = self.model.compute_logits(hidden[self._tensor(plan.logit_rows)])

@@ -39,7 +39,10 @@ def triton_available(device: torch.device | str | None = None) -> bool:
 
     CUDA needs triton importable and a CUDA device; CPU needs triton importable and the
     interpreter switched on (TRITON_INTERPRET=1)."""
-    if importlib.util.find_spec("triton") is None:
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return False
+    except (ImportError, ValueError):  # a broken or blocked install
         return False
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,123 @@
+"""Incremental detokenization of one sequence, UTF-8 safe, with stop strings.
+
+Text is produced by decoding a small window of token ids twice (the window's already-read
+prefix and the whole window) and taking the difference, like TGI and vLLM: byte-level BPE
+tokens that end inside a multi-byte character decode to U+FFFD and are held back until the
+character completes, so a stream never carries broken UTF-8. The window starts on the last
+prompt tokens, so a leading space of the first output token comes out right.
+
+Stop strings: the first occurrence in the output text ends the sequence (finish_reason
+"stop"); the text is cut before it, or after it with `include_stop_str_in_output`. While
+streaming, the last `max(len(stop)) - 1` characters are held back (unless the stop string is
+to be included) so a client never sees the start of a stop string that is later cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+_PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
+_MAX_HELD_TOKENS = 8  # give up waiting for a character to complete after this many tokens
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class StopChecker:
+    stop: list[str] = field(default_factory=list)
+    include_stop_str: bool = False
+
+    @property
+    def hold(self) -> int:
+        """Characters to hold back while streaming."""
+        if not self.stop or self.include_stop_str:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def find(self, text: str, new_from: int) -> int | None:
+        """Where the text must be cut if a stop string occurs in it (searching only where the
+        text changed since `new_from`), else None."""
+        best: tuple[int, int] | None = None
+        for s in self.stop:
+            if not s:
+                continue
+            pos = text.find(s, max(0, new_from - len(s) + 1))
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, len(s))
+        if best is None:
+            return None
+        return best[0] + best[1] if self.include_stop_str else best[0]
+
+
+class IncrementalDetokenizer:
+    """Feed output token ids; read the text grown since the last read (`take_delta`)."""
+
+    def __init__(self, decoder: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 stop: StopChecker | None = None):
+        self.decoder = decoder
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or StopChecker()
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # all output text decoded so far (cut at a stop string)
+        self.num_tokens = 0  # output tokens consumed (up to and including a stop match)
+        self.stopped = False  # a stop string matched
+        self._sent = 0  # characters of self.text already handed out
+
+    def add_tokens(self, token_ids: list[int]) -> int:
+        """Consume new token ids; returns how many were used (fewer once a stop string
+        matched: later tokens belong to text that is cut away)."""
+        used = 0
+        for token in token_ids:
+            if self.stopped:
+                break
+            used += 1
+            self.num_tokens += 1
+            self._ids.append(token)
+            grown = self._decode_step()
+            if grown:
+                old_len = len(self.text)
+                self.text += grown
+                cut = self.stop.find(self.text, old_len)
+                if cut is not None:
+                    self.text = self.text[:cut]
+                    self.stopped = True
+        return used
+
+    def _decode_step(self, final: bool = False) -> str:
+        prefix = self.decoder.decode(self._ids[self._prefix_offset:self._read_offset],
+                                     self.skip_special_tokens)
+        full = self.decoder.decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        held = len(self._ids) - self._read_offset
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final
+                                          and held < _MAX_HELD_TOKENS):
+            return ""
+        new = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._prefix_offset > 64:  # keep the window small
+            drop = self._prefix_offset
+            self._ids = self._ids[drop:]
+            self._prefix_offset, self._read_offset = 0, self._read_offset - drop
+        return new
+
+    def finish(self) -> None:
+        """The sequence ended: flush characters held for completion."""
+        if not self.stopped and self._read_offset < len(self._ids):
+            grown = self._decode_step(final=True)
+            if grown:
+                old_len = len(self.text)
+                self.text += grown
+                cut = self.stop.find(self.text, old_len)
+                if cut is not None:
+                    self.text, self.stopped = self.text[:cut], True
+
+    def take_delta(self, final: bool = False) -> str:
+        """Text not handed out yet; while not final, minus the stop-string hold-back."""
+        end = len(self.text) if final or self.stopped else max(self._sent,
+                                                                  len(self.text) - self.stop.hold)
+        delta = self.text[self._sent:end]
+        self._sent = end
+        return delta

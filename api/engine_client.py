@@ -1,0 +1,209 @@
+"""The API process's ZeroMQ client of the rank-0 coordinator.
+
+Two sockets, both connected (the coordinator binds them in its private 0700 temp dir):
+PUSH -> `ipc://{ipc_dir}/to_engine` (AddRequest, AbortRequest) and
+PULL <- `ipc://{ipc_dir}/from_engine` (Outputs, EngineStats, Shutdown).
+One asyncio task reads from_engine and routes each RequestOutput to its request's asyncio
+queue; sends never block (unbounded send queue), so the coordinator never waits on the API.
+
+Contract with the coordinator: every AddRequest is answered first by a RequestOutput with
+accepted=True (no tokens) or accepted=False + error_code + finished=True; later outputs carry
+tokens; the last has finished=True. Request ids are unique for the server's lifetime
+(a random per-start prefix plus a counter).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from api import wire
+
+log = logging.getLogger("tapserve.api")
+
+
+class EngineError(Exception):
+    """A request refused or failed by the engine (605 / 606) or the engine gone (503)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
+
+
+@dataclass
+class RequestGroup:
+    """The engine requests behind one HTTP request (one per prompt), sharing one queue.
+
+    `accepted()` waits for every request's accept-or-reject answer; `outputs()` then yields
+    the RequestOutputs of all of them, in arrival order, until each is finished."""
+    client: "EngineClient"
+    request_ids: list[str]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: set[str] = field(default_factory=set)
+    _buffered: list[wire.RequestOutput] = field(default_factory=list)
+
+    async def accepted(self) -> None:
+        """Raise EngineError (and abort the others) if any request was rejected."""
+        waiting = set(self.request_ids)
+        error: EngineError | None = None
+        while waiting:
+            out = await self._next()
+            if out.request_id in waiting:
+                waiting.discard(out.request_id)
+                if not out.accepted or out.error_code is not None:
+                    self.finished.add(out.request_id)
+                    error = error or EngineError(out.error_code or wire.EXECUTION_EXCEPTION,
+                                                 out.error_message or "request rejected")
+                    continue
+                if not out.sequences and not out.finished and out.custom_output is None:
+                    continue  # the plain accept answer
+            self._buffered.append(out)
+        if error is not None:
+            self.abort()
+            raise error
+
+    async def _next(self) -> wire.RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, EngineError):
+            raise item
+        if item.finished:
+            self.finished.add(item.request_id)
+        return item
+
+    async def outputs(self):
+        """Yield outputs until every request of the group is finished."""
+        while self._buffered:
+            yield self._buffered.pop(0)
+        while len(self.finished) < len(self.request_ids):
+            yield await self._next()
+
+    def abort(self) -> None:
+        """Abort every unfinished request of the group (idempotent)."""
+        for rid in self.request_ids:
+            if rid not in self.finished:
+                self.finished.add(rid)
+                self.client.abort(rid)
+        self.client.release(self)
+
+    def abort_one(self, request_id: str) -> None:
+        if request_id not in self.finished:
+            self.finished.add(request_id)
+            self.client.abort(request_id)
+
+
+class EngineClient:
+    """Connects to the coordinator; one reader task; per-request routing."""
+
+    def __init__(self, ipc_dir: str, on_stats: Callable[[wire.EngineStats], None] = lambda s: None,
+                 on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None):
+        self.ipc_dir = ipc_dir
+        self.on_stats, self.on_outputs = on_stats, on_outputs
+        self._ctx = zmq.asyncio.Context()
+        self._push = zmq.Context.shadow(self._ctx).socket(zmq.PUSH)  # sync: sends never await
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._routes: dict[str, RequestGroup] = {}
+        self._prefix = secrets.token_hex(4)
+        self._counter = count()
+        self._reader: asyncio.Task | None = None
+        self.stats = wire.EngineStats()
+        self.last_message_time: float | None = None
+        self.shutting_down = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._push.connect(f"ipc://{os.path.join(self.ipc_dir, 'to_engine')}")
+        self._pull.connect(f"ipc://{os.path.join(self.ipc_dir, 'from_engine')}")
+        self._reader = asyncio.create_task(self._read_loop(), name="engine-reader")
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.fail_all(EngineError(ENGINE_DOWN, "the API server is shutting down"))
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+
+    def healthy(self, timeout_s: float) -> bool:
+        """The coordinator spoke within `timeout_s` seconds and is not shutting down."""
+        return (not self.shutting_down and self.last_message_time is not None
+                and time.monotonic() - self.last_message_time < timeout_s)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    # ---- requests ------------------------------------------------------------------------
+    def new_request_id(self, kind: str) -> str:
+        return f"{kind}-{self._prefix}{next(self._counter):08x}"
+
+    def submit(self, requests: list[wire.AddRequest]) -> RequestGroup:
+        """Send the requests (one HTTP request's prompts) and return their group."""
+        group = RequestGroup(self, [r.request_id for r in requests])
+        for r in requests:
+            self._routes[r.request_id] = group
+        for r in requests:
+            r.arrival_time = r.arrival_time or time.time()
+            self._push.send(wire.encode(r), zmq.NOBLOCK)
+        return group
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._routes:
+            self._push.send(wire.encode(wire.AbortRequest(request_id)), zmq.NOBLOCK)
+            log.debug("abort %s", request_id)
+
+    def release(self, group: RequestGroup) -> None:
+        """Stop routing outputs of the group's requests (after finish or abort)."""
+        for rid in group.request_ids:
+            if self._routes.get(rid) is group:
+                del self._routes[rid]
+
+    def fail_all(self, error: EngineError) -> None:
+        for group in set(self._routes.values()):
+            group.queue.put_nowait(error)
+        self._routes.clear()
+
+    # ---- reading -------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            try:
+                self._dispatch(wire.decode(data))
+            except Exception:  # a bad message must not kill the reader
+                log.exception("cannot handle a message from the engine")
+
+    def _dispatch(self, message: object) -> None:
+        self.last_message_time = time.monotonic()
+        if isinstance(message, wire.Outputs):
+            for out in message.outputs:
+                self.on_outputs(out)
+                group = self._routes.get(out.request_id)
+                if group is not None:
+                    if out.finished:
+                        del self._routes[out.request_id]
+                    group.queue.put_nowait(out)
+        elif isinstance(message, wire.EngineStats):
+            self.stats = message
+            self.on_stats(message)
+        elif isinstance(message, wire.Shutdown):
+            log.info("engine shutting down: %s", message.reason)
+            self.shutting_down = True

@@ -1,0 +1,109 @@
+"""Error answers of the API process, in the two envelopes of DESIGN.md "Errors".
+
+OpenAI endpoints (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with `code` a
+string such as "605_INVALID_PARAMS". Native endpoints: `{"error_code": 605,
+"error_code_str": "605_INVALID_PARAMS", "message": ...}`. Engine codes map to HTTP statuses
+605 -> 400 and 606 -> 500; HTTP-level errors (401, 404, 413, 503) carry their status as the
+native error_code.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.wire import ERROR_NAMES, EXECUTION_EXCEPTION, INVALID_PARAMS
+
+_STATUS_OF_CODE = {INVALID_PARAMS: 400, EXECUTION_EXCEPTION: 500}
+_NAMES = {**ERROR_NAMES, 400: "400_BAD_REQUEST", 401: "401_UNAUTHORIZED", 404: "404_NOT_FOUND",
+          405: "405_METHOD_NOT_ALLOWED", 413: "413_REQUEST_TOO_LARGE",
+          500: "500_INTERNAL_ERROR", 503: "503_SERVICE_UNAVAILABLE"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
+          503: "service_unavailable_error"}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answer: `code` is an engine code (605/606) or an HTTP status."""
+    code: int
+    message: str
+    param: str | None = None
+
+    @property
+    def status(self) -> int:
+        return _STATUS_OF_CODE.get(self.code, self.code if 400 <= self.code < 600 else 500)
+
+    @property
+    def code_str(self) -> str:
+        return _NAMES.get(self.code, f"{self.code}_ERROR")
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "internal_error"),
+                          "param": self.param, "code": self.code_str}}
+
+    def native_body(self) -> dict:
+        return {"error_code": self.code, "error_code_str": self.code_str, "message": self.message}
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(INVALID_PARAMS, message, param)
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_body(error: ApiError, path: str) -> dict:
+    return error.openai_body() if is_openai_path(path) else error.native_body()
+
+
+def error_response(error: ApiError, path: str) -> JSONResponse:
+    return JSONResponse(error_body(error, path), status_code=error.status)
+
+
+def sse_error_event(error: ApiError, path: str) -> str:
+    """The last SSE event of a stream that failed after it started."""
+    return f"data: {json.dumps(error_body(error, path))}\n\n"
+
+
+def _field_name(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or "body"
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's 422 -> a 605 naming the first offending field."""
+    errors = exc.errors()
+    if not errors:
+        return invalid("invalid request body")
+    first = errors[0]
+    name = _field_name(tuple(first.get("loc", ())))
+    if name == "body":
+        return invalid("the request body must be a JSON object sent with "
+                       "Content-Type: application/json", None)
+    if first.get("type") == "extra_forbidden":
+        return invalid(f"unsupported field '{name}'", name)
+    if first.get("type") == "json_invalid":
+        return invalid(f"request body is not valid JSON: {first.get('msg')}", None)
+    return invalid(f"invalid field '{name}': {first.get('msg')}", name)
+
+
+def install_handlers(app) -> None:
+    """Route ApiError, validation errors and HTTP exceptions into the envelopes."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)

@@ -1,0 +1,179 @@
+"""One HTTP request's generation state: engine outputs -> per-choice text deltas.
+
+An HTTP request holds one engine request per prompt; prompt p's sequence i is the client's
+choice `p * n + i`. For each choice this keeps an incremental detokenizer (stop strings
+included), the kept token ids and logprobs, and the finish reason; a choice cut by a stop
+string ignores later tokens, and once every choice of a prompt is done that way its engine
+request is aborted. Engine errors after the accept answer raise EngineError.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from api import wire
+from api.detokenizer import IncrementalDetokenizer, StopChecker
+from api.engine_client import EngineError, RequestGroup
+from api.metrics import ApiMetrics
+from api.tokenizer import TextTokenizer
+from coordinator.sampling_params import SamplingParams
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained from one engine output."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt: "PromptState"
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[list]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+
+@dataclass
+class PromptState:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_index: int
+    choices: dict[int, Choice] = field(default_factory=dict)
+    custom_output: dict | None = None
+    num_cached_tokens: int = 0
+    engine_finished: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return self.params.n
+
+    def all_done(self) -> bool:
+        return len(self.choices) >= self.num_choices and all(
+            c.finish_reason for c in self.choices.values())
+
+
+class Generation:
+    """Applies a group's RequestOutputs; `choices()` lists all choices in index order."""
+
+    def __init__(self, tokenizer: TextTokenizer, group: RequestGroup,
+                 prompts: list[tuple[list[int], SamplingParams]], metrics: ApiMetrics | None = None):
+        self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
+        self.prompts: dict[str, PromptState] = {}
+        first = 0
+        for rid, (ids, params) in zip(group.request_ids, prompts):
+            self.prompts[rid] = PromptState(rid, ids, params, first)
+            first += params.n
+        self.start_time = time.monotonic()
+        self._first_token_time: float | None = None
+        self._last_token_time: float | None = None
+
+    # ---- applying outputs ------------------------------------------------------------
+    def apply(self, out: wire.RequestOutput) -> list[ChoiceDelta]:
+        """Update from one output; returns the deltas of the choices it touched, in order."""
+        state = self.prompts[out.request_id]
+        if out.error_code is not None:
+            raise EngineError(out.error_code, out.error_message or "request failed")
+        if out.custom_output is not None:
+            state.custom_output = out.custom_output
+        state.num_cached_tokens = out.num_cached_tokens or state.num_cached_tokens
+        deltas = [self._apply_sequence(state, s) for s in out.sequences]
+        deltas = [d for d in deltas if d is not None]
+        if out.finished:
+            state.engine_finished = True
+            deltas += self._finish_rest(state)
+        elif state.all_done():
+            self.group.abort_one(state.request_id)  # every choice cut by a stop string
+        self._observe(sum(len(d.token_ids) for d in deltas))
+        return sorted(deltas, key=lambda d: d.index)
+
+    def _choice(self, state: PromptState, seq_index: int) -> Choice:
+        if seq_index not in state.choices:
+            p = state.params
+            detok = IncrementalDetokenizer(self.tokenizer, state.prompt_ids, p.skip_special_tokens,
+                                           StopChecker(p.stop, p.include_stop_str_in_output))
+            state.choices[seq_index] = Choice(state.first_index + seq_index, state, detok)
+        return state.choices[seq_index]
+
+    def _apply_sequence(self, state: PromptState, seq: wire.SequenceOutput) -> ChoiceDelta | None:
+        choice = self._choice(state, seq.index)
+        if choice.finish_reason is not None:
+            return None
+        used = choice.detok.add_tokens(seq.new_token_ids)
+        delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
+        if seq.new_logprobs:
+            delta.logprobs = seq.new_logprobs[:used]
+            delta.top_logprobs = (seq.new_top_logprobs or [[] for _ in delta.logprobs])[:used]
+        choice.token_ids += delta.token_ids
+        choice.logprobs += delta.logprobs
+        choice.top_logprobs += delta.top_logprobs
+        if seq.cumulative_logprob is not None:
+            choice.cumulative_logprob = seq.cumulative_logprob
+        if choice.detok.stopped:
+            choice.finish_reason = "stop"
+        elif seq.finish_reason:
+            choice.detok.finish()
+            choice.finish_reason = seq.finish_reason
+        delta.finish_reason = choice.finish_reason
+        delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
+        return delta
+
+    def _finish_rest(self, state: PromptState) -> list[ChoiceDelta]:
+        deltas = []
+        for choice in state.choices.values():
+            if choice.finish_reason is None:
+                choice.detok.finish()
+                choice.finish_reason = "length"
+                deltas.append(ChoiceDelta(choice.index, text=choice.detok.take_delta(True),
+                                          finish_reason="length"))
+        return deltas
+
+    def _observe(self, new_tokens: int) -> None:
+        if not new_tokens or self.metrics is None:
+            return
+        now = time.monotonic()
+        if self._first_token_time is None:
+            self._first_token_time = now
+            self.metrics.ttft.observe(now - self.start_time)
+        elif self._last_token_time is not None:
+            gap = (now - self._last_token_time) / new_tokens
+            for _ in range(new_tokens):
+                self.metrics.itl.observe(gap)
+        self._last_token_time = now
+        self.metrics.generation_tokens.inc(new_tokens)
+
+    # ---- reading ---------------------------------------------------------------------
+    async def run(self):
+        """Yield the deltas of each output until the group is done (async generator)."""
+        async for out in self.group.outputs():
+            if out.request_id in self.prompts:
+                yield self.apply(out)
+
+    def choices(self) -> list[Choice]:
+        all_choices = [c for s in self.prompts.values() for c in s.choices.values()]
+        return sorted(all_choices, key=lambda c: c.index)
+
+    @property
+    def done(self) -> bool:
+        return all(s.engine_finished or s.all_done() for s in self.prompts.values())
+
+    def usage(self) -> dict:
+        prompt = sum(len(s.prompt_ids) for s in self.prompts.values())
+        completion = sum(len(c.token_ids) for c in self.choices())
+        cached = sum(s.num_cached_tokens for s in self.prompts.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,303 @@
+"""Native routes: /generate, /custom_output, /tokenize, /detokenize.
+
+`POST /generate` (rtp-llm style): `prompt` or `input_ids`, `generate_config`, optional
+`custom_output_params` / `custom_output_encoding`, `stream`. Response: `response`,
+`custom_output`, `finished`, `finish_reason`, `aux_info` when `return_aux_info`,
+`output_ids` when `return_output_ids`. `response` (and `custom_output`, `finish_reason`,
+`aux_info`, `output_ids`) is a list with one entry per sequence when
+`num_return_sequences` is given (even 1) or `num_beams` > 1; beams return all beams best
+first (or the best `num_return_sequences`), and `aux_info.beam_responses` lists every beam.
+Streaming sends SSE events with the new text of each sequence (`finished: false`), then one
+final event with `finished: true` (no `[DONE]`).
+
+`POST /custom_output`: `prompts` (strings or token-id lists) with optional
+`custom_output_params` (one object for all, or a list, one per prompt): every prompt is a
+prefill-only scoring request (max_new_tokens = 0), all sent at once so they share prefill
+batches; `outputs` holds one entry per prompt, in order: the value, or that prompt's error.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import ApiError, invalid
+from api.generation import Choice, Generation
+from api.openai_schemas import ChatMessage
+from api.state import AppState, race_disconnect, sse
+from api.tokenizer import ChatTemplateError
+from api.values import encode_value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateConfig(_Strict):
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    do_sample: bool | None = None  # False: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_return_sequences: int | None = Field(None, ge=1)
+    num_beams: int = Field(1, ge=1)
+    length_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_words_str: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_aux_info: bool = False
+    return_output_ids: bool = False
+
+    @property
+    def listed(self) -> bool:
+        """Answer with one list entry per sequence."""
+        return self.num_return_sequences is not None or self.num_beams > 1
+
+    def sampling_kwargs(self, max_new_tokens: int) -> dict:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        beams = self.num_beams > 1
+        return {
+            "max_new_tokens": max_new_tokens, "min_tokens": self.min_new_tokens,
+            "temperature": 0.0 if self.do_sample is False else self.temperature,
+            "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "n": self.num_beams if beams else (self.num_return_sequences or 1),
+            "num_beams": self.num_beams, "length_penalty": self.length_penalty,
+            "stop": stop + list(self.stop_words_str or []),
+            "stop_token_ids": list(self.stop_token_ids or []), "seed": self.seed,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output}
+
+
+class GenerateRequest(_Strict):
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    generate_config: GenerateConfig = Field(default_factory=GenerateConfig)
+    custom_output_params: dict[str, Any] | None = None
+    custom_output_encoding: Literal["json", "base64"] = "json"
+    stream: bool = False
+
+
+class CustomOutputRequest(_Strict):
+    prompts: list[str | list[int]] = Field(min_length=1)
+    custom_output_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    custom_output_encoding: Literal["json", "base64"] = "json"
+
+
+class TokenizeRequest(_Strict):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int]
+    skip_special_tokens: bool = False
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.tapserve
+
+
+def _one_source(body: Any) -> None:
+    given = [n for n in ("prompt", "input_ids", "messages") if getattr(body, n, None) is not None]
+    if len(given) != 1:
+        raise invalid("give exactly one of prompt, input_ids, messages", "prompt")
+
+
+def _messages_text(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool,
+                   kwargs: dict | None) -> str:
+    try:
+        return state.tokenizer.apply_chat_template([m.template_dict() for m in messages],
+                                                   add_generation_prompt, **(kwargs or {}))
+    except ChatTemplateError as e:
+        raise invalid(str(e), "messages") from None
+
+
+def _generate_ids(state: AppState, body: GenerateRequest) -> list[int]:
+    _one_source(body)
+    if body.messages is not None:
+        return state.prompt_ids(_messages_text(state, body.messages, True, None), "messages",
+                                add_special_tokens=False)
+    return state.prompt_ids(body.prompt if body.prompt is not None else body.input_ids,
+                            "prompt" if body.prompt is not None else "input_ids")
+
+
+# ---- /generate answers -------------------------------------------------------------------
+class _Answer:
+    """Builds /generate bodies from a finished (or running) generation."""
+
+    def __init__(self, body: GenerateRequest, generation: Generation, start: float):
+        self.cfg, self.body, self.gen, self.start = body.generate_config, body, generation, start
+        self.count = self.cfg.num_return_sequences or (self.cfg.num_beams if self.cfg.num_beams > 1
+                                                       else 1)
+
+    def _pick(self, values: list) -> Any:
+        return values[:self.count] if self.cfg.listed else (values[0] if values else None)
+
+    def final(self, deltas: list | None = None) -> dict:
+        """The whole answer; for a stream's last event (`deltas` given), `response` holds only
+        the text not sent yet."""
+        choices = self.gen.choices()
+        if deltas is None:
+            texts = [c.text for c in choices]
+        else:
+            by_index = {d.index: d.text for d in deltas}
+            texts = [by_index.get(c.index, "") for c in choices]
+        out: dict[str, Any] = {"response": self._pick(texts), "finished": True,
+                               "finish_reason": self._pick([c.finish_reason for c in choices])}
+        out.update(self._value(len(choices[:self.count])))
+        if self.cfg.return_output_ids:
+            out["output_ids"] = self._pick([c.token_ids for c in choices])
+        if self.cfg.return_aux_info:
+            out["aux_info"] = self._pick([self._aux(c, choices) for c in choices])
+        return out
+
+    def _value(self, count: int) -> dict:
+        prompt = next(iter(self.gen.prompts.values()))
+        value = encode_value(prompt.custom_output, self.body.custom_output_encoding)
+        if value is None:
+            return {}
+        return {"custom_output": [value] * count if self.cfg.listed else value}
+
+    def _aux(self, c: Choice, choices: list[Choice]) -> dict:
+        aux = {"input_len": len(c.prompt.prompt_ids), "output_len": len(c.token_ids),
+               "reuse_len": c.prompt.num_cached_tokens,
+               "cost_time_ms": round((time.monotonic() - self.start) * 1000, 3)}
+        if self.cfg.num_beams > 1:
+            aux["cum_log_probs"] = c.cumulative_logprob
+            aux["beam_responses"] = [x.text for x in choices]
+        return aux
+
+    def delta_event(self, deltas: list) -> dict | None:
+        texts = {d.index: d.text for d in deltas}
+        if not any(texts.values()) and not any(d.token_ids for d in deltas):
+            return None
+        response = [texts.get(i, "") for i in range(self.count)] if self.cfg.listed \
+            else texts.get(0, "")
+        return {"response": response, "finished": False, **self._value(self.count)}
+
+
+async def _generate_events(answer: _Answer) -> AsyncIterator[str]:
+    pending: list = []
+    async for deltas in answer.gen.run():
+        if answer.gen.done:
+            pending += deltas
+            continue
+        event = answer.delta_event(deltas)
+        if event is not None:
+            yield sse(event)
+    yield sse(answer.final(pending))
+
+
+# ---- /custom_output ----------------------------------------------------------------------
+def _score_params(body: CustomOutputRequest) -> list[dict | None]:
+    cop = body.custom_output_params
+    if isinstance(cop, list):
+        if len(cop) != len(body.prompts):
+            raise invalid("custom_output_params must have one entry per prompt",
+                          "custom_output_params")
+        return cop
+    return [cop] * len(body.prompts)
+
+
+async def _score_one(state: AppState, request: Request, ids: list[int], cop: dict | None,
+                     encoding: str) -> dict:
+    params = state.sampling_params(max_new_tokens=0, temperature=0.0)
+    generation = state.submit(request, "score", [(ids, params)], [cop])
+    try:
+        await state.accepted(request, generation, watch=False)
+        await state.collect(request, generation, watch=False)
+    except ApiError as e:
+        return e.native_body()
+    prompt = next(iter(generation.prompts.values()))
+    out = {"input_len": len(ids), "reuse_len": prompt.num_cached_tokens}
+    if prompt.custom_output is not None:
+        out["custom_output"] = encode_value(prompt.custom_output, encoding)
+    return out
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Any:
+        state = _state(request)
+        start = time.monotonic()
+        ids = _generate_ids(state, body)
+        cfg = body.generate_config
+        state.check_n(max(cfg.num_return_sequences or 1, cfg.num_beams), "num_return_sequences")
+        if cfg.num_beams > 1 and (cfg.num_return_sequences or 1) > cfg.num_beams:
+            raise invalid("num_return_sequences must be <= num_beams", "num_return_sequences")
+        max_new = state.max_new_tokens(cfg.max_new_tokens, len(ids), "max_new_tokens")
+        params = state.sampling_params(**cfg.sampling_kwargs(max_new))
+        generation = await state.start(request, "gen", [(ids, params)], [body.custom_output_params])
+        answer = _Answer(body, generation, start)
+        if body.stream:
+            return state.stream(request, generation, lambda: _generate_events(answer))
+        await state.collect(request, generation)
+        return JSONResponse(answer.final())
+
+    @router.post("/custom_output")
+    async def custom_output(body: CustomOutputRequest, request: Request) -> Any:
+        state = _state(request)
+        if len(body.prompts) > state.config.max_prompts:
+            raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompts")
+        cops = _score_params(body)
+        state.admit(len(body.prompts))
+        jobs = []
+        for i, (prompt, cop) in enumerate(zip(body.prompts, cops)):
+            try:
+                ids = state.prompt_ids(prompt, f"prompts.{i}")
+            except ApiError as e:
+                jobs.append(_error_result(e))
+                continue
+            jobs.append(_score_one(state, request, ids, cop, body.custom_output_encoding))
+        outputs = await race_disconnect(request, asyncio.gather(*jobs))
+        return {"outputs": outputs}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        state = _state(request)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("give exactly one of prompt, messages", "prompt")
+        if body.messages is not None:
+            text = _messages_text(state, body.messages, body.add_generation_prompt,
+                                  body.chat_template_kwargs)
+            ids = state.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len,
+                "token_strs": [state.tokenizer.token_str(t) for t in ids]}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        state = _state(request)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, body.skip_special_tokens)}
+
+    return router
+
+
+async def _error_result(error: ApiError) -> dict:
+    return error.native_body()

@@ -1,0 +1,224 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Choices: prompt p's sample i is choice `p * n + i`. Every choice carries its own
+`extra_outputs.custom_output` once the value exists; the object carries a top-level
+`extra_outputs.custom_output`, the value of its last choice (DESIGN.md). Streams interleave
+the choices' chunks, end with the usage chunk when `stream_options.include_usage`, then
+`data: [DONE]`. Errors known before the first token are plain HTTP answers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from api.errors import ApiError, invalid
+from api.generation import Choice, ChoiceDelta, Generation
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from api.state import AppState, sse
+from api.tokenizer import ChatTemplateError
+from api.values import encode_value, finite_logprob
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.tapserve
+
+
+def _check_model(state: AppState, model: str | None) -> None:
+    if model is not None and model != state.config.served_model_name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                            f"'{state.config.served_model_name}'", "model")
+
+
+def _extra(value: dict | None, encoding: str) -> dict:
+    """{"extra_outputs": {"custom_output": ...}} or {} when there is no value."""
+    if value is None:
+        return {}
+    return {"extra_outputs": {"custom_output": encode_value(value, encoding)}}
+
+
+def _choice_value(generation: Generation, index: int) -> dict | None:
+    for prompt in generation.prompts.values():
+        if prompt.first_index <= index < prompt.first_index + prompt.num_choices:
+            return prompt.custom_output
+    return None
+
+
+# ---- logprobs ----------------------------------------------------------------------------
+def _completion_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
+                         tops: list[list[list]], offset: int) -> dict:
+    tok = state.tokenizer
+    tokens = [tok.token_str(t) for t in token_ids]
+    top_dicts = []
+    for token, lp, top in zip(token_ids, logprobs, tops):
+        entry = {tok.token_str(t): finite_logprob(v) for t, v in top}
+        entry.setdefault(tok.token_str(token), finite_logprob(lp))
+        top_dicts.append(entry)
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [finite_logprob(v) for v in logprobs],
+            "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
+                   tops: list[list[list]], num_top: int) -> dict:
+    def item(t: int, lp: float) -> dict:
+        s = state.tokenizer.token_str(t)
+        return {"token": s, "logprob": finite_logprob(lp), "bytes": list(s.encode("utf-8"))}
+    content = [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top[:num_top]]}
+               for t, lp, top in zip(token_ids, logprobs, tops)]
+    return {"content": content, "refusal": None}
+
+
+# ---- shared ------------------------------------------------------------------------------
+def _params(state: AppState, body: _SamplingFields, max_tokens: int | None, prompt_len: int,
+            logprobs: bool, top_logprobs: int) -> Any:
+    state.check_n(body.n, "n")
+    max_new = state.max_new_tokens(max_tokens, prompt_len, "max_tokens")
+    return state.sampling_params(**body.sampling_kwargs(max_new), logprobs=logprobs,
+                                 top_logprobs=top_logprobs)
+
+
+def _envelope(generation: Generation, kind: str, model: str, created: int) -> dict:
+    return {"id": generation.group.request_ids[0], "object": kind, "created": created,
+            "model": model}
+
+
+class _Shape:
+    """How completions and chat differ in their choice objects."""
+
+    def __init__(self, state: AppState, chat: bool, body: Any):
+        self.state, self.chat, self.body = state, chat, body
+        self.want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
+        self.num_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
+        self.started: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def full_choice(self, c: Choice) -> dict:
+        out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.index) \
+            if self.want_logprobs else None
+        if self.chat:
+            out["message"] = {"role": "assistant", "content": c.text}
+        else:
+            out["text"] = c.text
+        out["logprobs"] = lp
+        return {**out, **_extra(c.prompt.custom_output, self.body.custom_output_encoding)}
+
+    def chunk_choice(self, d: ChoiceDelta, value: dict | None) -> dict | None:
+        first = d.index not in self.started
+        if not (d.text or d.finish_reason or first or d.token_ids):
+            return None
+        self.started.add(d.index)
+        out: dict[str, Any] = {"index": d.index}
+        if self.chat:
+            out["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        else:
+            out["text"] = d.text
+        out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.index) \
+            if self.want_logprobs else None
+        out["finish_reason"] = d.finish_reason
+        return {**out, **_extra(value, self.body.custom_output_encoding)}
+
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list, index: int) -> dict:
+        if self.chat:
+            return _chat_logprobs(self.state, ids, lps, tops, self.num_top)
+        offset = self.offsets.get(index, 0)
+        result = _completion_logprobs(self.state, ids, lps, tops, offset)
+        self.offsets[index] = offset + sum(len(t) for t in result["tokens"])
+        return result
+
+
+async def _respond(request: Request, state: AppState, generation: Generation, body: Any,
+                   chat: bool) -> Any:
+    kind = "chat.completion" if chat else "text_completion"
+    model, created = state.config.served_model_name, int(time.time())
+    shape = _Shape(state, chat, body)
+    if body.stream:
+        return state.stream(request, generation,
+                            lambda: _events(generation, body, shape, kind, model, created))
+    await state.collect(request, generation)
+    choices = [shape.full_choice(c) for c in generation.choices()]
+    last = generation.choices()[-1].prompt.custom_output if choices else None
+    return JSONResponse({**_envelope(generation, kind, model, created), "choices": choices,
+                         "usage": generation.usage(),
+                         **_extra(last, body.custom_output_encoding)})
+
+
+async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, model: str,
+                  created: int) -> AsyncIterator[str]:
+    head = _envelope(generation, kind + ".chunk" if shape.chat else kind, model, created)
+    async for deltas in generation.run():
+        for d in deltas:
+            value = _choice_value(generation, d.index)
+            choice = shape.chunk_choice(d, value)
+            if choice is not None:
+                yield sse({**head, "choices": [choice], **_extra(value, body.custom_output_encoding)})
+    if body.include_usage:
+        yield sse({**head, "choices": [], "usage": generation.usage()})
+    yield "data: [DONE]\n\n"
+
+
+# ---- routes ------------------------------------------------------------------------------
+def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
+    messages = [m.template_dict() for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs or {})
+    add_gen = body.add_generation_prompt and not body.continue_final_message
+    try:
+        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
+    except ChatTemplateError as e:
+        raise invalid(str(e), "messages") from None
+    if body.continue_final_message:
+        final = messages[-1]["content"]
+        cut = text.rfind(final)
+        if messages[-1]["role"] != "assistant" or cut < 0:
+            raise invalid("continue_final_message needs a final assistant message", "messages")
+        text = text[:cut + len(final)]
+    return state.prompt_ids(text, "messages", add_special_tokens=False)
+
+
+def build_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state = _state(request)
+        return {"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": 0,
+            "owned_by": "tapserve", "max_model_len": state.config.max_model_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        state = _state(request)
+        _check_model(state, body.model)
+        body.check_unsupported()
+        prompts = body.prompts()
+        if len(prompts) > state.config.max_prompts:
+            raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompt")
+        items = []
+        for p in prompts:
+            ids = state.prompt_ids(p, "prompt", body.add_special_tokens)
+            items.append((ids, _params(state, body, body.max_tokens, len(ids),
+                                       body.logprobs is not None, body.logprobs or 0)))
+        generation = await state.start(request, "cmpl", items,
+                                       [body.custom_output_params] * len(items))
+        return await _respond(request, state, generation, body, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        state = _state(request)
+        _check_model(state, body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        ids = _chat_prompt(state, body)
+        params = _params(state, body, body.requested_max_tokens, len(ids), body.logprobs,
+                         body.top_logprobs or 0)
+        generation = await state.start(request, "chatcmpl", [(ids, params)],
+                                       [body.custom_output_params])
+        return await _respond(request, state, generation, body, chat=True)
+
+    return router

@@ -1,0 +1,151 @@
+"""Request schemas of the OpenAI-compatible endpoints (pydantic, unknown fields rejected).
+
+Supported: the OpenAI fields listed in issue 5 plus the vLLM-style extras (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens,
+include_stop_str_in_output) and tapserve's custom_output_params / custom_output_encoding.
+Any other field (tools, response_format other than text, echo, suffix, ...) is a 400 naming
+it: never silently misread.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import invalid
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored (no behaviour attached)
+    # extras (vLLM style)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # tapserve
+    custom_output_params: dict[str, Any] | None = None
+    custom_output_encoding: Literal["json", "base64"] = "json"
+
+    def sampling_kwargs(self, max_new_tokens: int) -> dict:
+        """Keyword arguments for coordinator.sampling_params.SamplingParams."""
+        kw: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "n": self.n, "seed": self.seed,
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []), "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output}
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+        kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.logit_bias:
+            try:
+                kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise invalid("logit_bias keys must be token ids", "logit_bias") from None
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def check_unsupported(self) -> None:
+        if self.echo:
+            raise invalid("unsupported field 'echo' (echo=true is not supported)", "echo")
+        if self.suffix:
+            raise invalid("unsupported field 'suffix'", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid("unsupported field 'best_of' (only best_of == n)", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise invalid("the prompt is empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise invalid(f"unsupported content part type {part.get('type')!r} "
+                                  "(text only)", "messages")
+                texts.append(TextPart(**part).text)
+            content = "".join(texts)
+        out = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens

@@ -1,0 +1,197 @@
+"""The API process: app factory and `python -m api.server` entry point.
+
+Rank 0 starts it as `subprocess.Popen([sys.executable, "-m", "api.server",
+*ApiConfig(...).to_argv()])` (see api/config.py for the options). It loads no torch and no
+model code: tokenizer via `tokenizers`, chat templates via jinja2, custom outputs via numpy.
+Everything lives in the app built by `create_app` (no module-level state).
+
+Gate (pure ASGI, before routing): Bearer API key on every path but /health (constant-time
+compare), request body size limit (413), and request metrics (status, latency).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from api import native, openai
+from api.config import ApiConfig
+from api.engine_client import ENGINE_DOWN, EngineClient, EngineError
+from api.errors import ApiError, error_body, install_handlers
+from api.metrics import CONTENT_TYPE, ApiMetrics
+from api.state import AppState
+from api.tokenizer import TextTokenizer
+
+__all__ = ["ApiConfig", "create_app", "main"]
+log = logging.getLogger("tapserve.api")
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/custom_output")
+
+
+class Gate:
+    """ASGI middleware: auth, body limit, request metrics."""
+
+    def __init__(self, app: Any, config: ApiConfig, metrics: ApiMetrics):
+        self.app, self.config, self.metrics = app, config, metrics
+        self._key = config.api_key.encode() if config.api_key else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self._key is not None and path != "/health" and not self._authorized(scope):
+            return await _send_error(send, ApiError(401, "invalid or missing API key"), path)
+        declared = _header(scope, b"content-length")
+        if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            return await _send_error(send, self._too_large(), path)
+        body, more = await _read_body(receive, self.config.max_body_bytes)
+        if more:
+            return await _send_error(send, self._too_large(), path)
+        await self.app(scope, _replay(body, receive), self._measured(send, path))
+
+    def _authorized(self, scope: dict) -> bool:
+        auth = _header(scope, b"authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self.config.max_body_bytes} bytes")
+
+    def _measured(self, send: Any, path: str) -> Any:
+        if path not in _GENERATION_PATHS:
+            return send
+        start, status = time.monotonic(), [500]
+
+        async def wrapped(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self.metrics.e2e.observe(time.monotonic() - start)
+                self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
+        return wrapped
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Any, limit: int) -> tuple[bytes, bool]:
+    """The whole request body; `more` is True when it exceeded `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(chunks), False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return b"", True
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = [False]
+
+    async def replayed() -> dict:
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replayed
+
+
+async def _send_error(send: Any, error: ApiError, path: str) -> None:
+    response = JSONResponse(error_body(error, path), status_code=error.status,
+                            headers={"WWW-Authenticate": "Bearer"} if error.code == 401 else None)
+    await response({"type": "http"}, _never, send)
+
+
+async def _never() -> dict:
+    return {"type": "http.disconnect"}
+
+
+async def _watchdog(config: ApiConfig, client: EngineClient) -> None:
+    """Exit with the parent; fail in-flight requests when the engine stays silent."""
+    while True:
+        await asyncio.sleep(0.5)
+        if config.parent_pid is not None and os.getppid() != config.parent_pid:
+            log.error("parent process %d is gone; stopping", config.parent_pid)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        last = client.last_message_time
+        if client.num_in_flight and last is not None \
+                and time.monotonic() - last > config.engine_timeout_s:
+            client.fail_all(EngineError(ENGINE_DOWN, "the engine stopped answering"))
+
+
+def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any:
+    """Build the ASGI app (FastAPI wrapped in the Gate) for one API process."""
+    tokenizer = tokenizer or TextTokenizer.from_dir(config.tokenizer, config.chat_template)
+    holder: dict[str, EngineClient] = {}
+    metrics = ApiMetrics(lambda: holder["client"].stats)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = EngineClient(config.ipc_dir)
+        holder["client"] = client
+        await client.start()
+        app.state.tapserve = AppState(config, tokenizer, client, metrics)
+        watchdog = asyncio.create_task(_watchdog(config, client))
+        log.info("tapserve API listening on http://%s:%d (model %s)", config.host, config.port,
+                 config.served_model_name)
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await client.close()
+
+    app = FastAPI(title="tapserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    install_handlers(app)
+    app.include_router(openai.build_router())
+    app.include_router(native.build_router())
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        client: EngineClient = request.app.state.tapserve.client
+        if client.healthy(config.health_timeout_s):
+            return JSONResponse({"status": "ok"})
+        reason = "shutting down" if client.shutting_down else "engine not responding"
+        return JSONResponse({"status": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        metrics.in_flight.set(request.app.state.tapserve.client.num_in_flight)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return Gate(app, config, metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    config = ApiConfig.from_argv(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                access_log=config.log_requests,
+                timeout_graceful_shutdown=config.graceful_timeout_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Per-app state and the request pipeline shared by the OpenAI and native endpoints:
+admission (503), prompt and parameter checks (605), submit + wait for the engine's
+accept-or-reject answer (so early errors are plain HTTP answers, also for stream=true),
+non-streaming collection and SSE streaming, both aborting the engine requests when the
+client goes away.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from api import wire
+from api.config import ApiConfig
+from api.engine_client import EngineClient, EngineError
+from api.errors import ApiError, invalid, sse_error_event
+from api.generation import Generation
+from api.metrics import ApiMetrics
+from api.tokenizer import TextTokenizer
+from coordinator.sampling_params import SamplingParams
+
+log = logging.getLogger("tapserve.api")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while we waited."""
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def race_disconnect(request: Request, awaitable: Awaitable) -> Any:
+    """Await `awaitable` unless the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+def _api_error(e: EngineError) -> ApiError:
+    return ApiError(e.code, e.message)
+
+
+@dataclass
+class AppState:
+    config: ApiConfig
+    tokenizer: TextTokenizer
+    client: EngineClient
+    metrics: ApiMetrics
+
+    # ---- checks ----------------------------------------------------------------------
+    def admit(self, num_requests: int) -> None:
+        """503 while the engine is down or stopping, or when the queue is full."""
+        if self.client.shutting_down:
+            raise ApiError(503, "the server is shutting down")
+        if not self.client.healthy(self.config.engine_timeout_s):
+            raise ApiError(503, "the engine is not available")
+        if self.client.num_in_flight + num_requests > self.config.max_in_flight:
+            raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"
+                                " retry later")
+
+    def prompt_ids(self, prompt: str | list[int], param: str = "prompt",
+                   add_special_tokens: bool = True) -> list[int]:
+        """Tokenize (or check) one prompt: nonempty, known token ids, shorter than the context."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            ids = list(prompt)
+            vocab = self.tokenizer.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+        if not ids:
+            raise invalid("the prompt is empty", param)
+        if len(ids) >= self.config.max_model_len:
+            raise invalid(f"the prompt is {len(ids)} tokens; the model's context is "
+                          f"{self.config.max_model_len} tokens (prompt too long)", param)
+        return ids
+
+    def max_new_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """Requested output length, checked against the limits; None -> what fits."""
+        room = self.config.max_model_len - prompt_len
+        if requested is None:
+            return min(room, self.config.max_tokens_limit)
+        if requested < 0 or requested > self.config.max_tokens_limit:
+            raise invalid(f"{param} must be in [0, {self.config.max_tokens_limit}], got {requested}",
+                          param)
+        if requested > room:
+            raise invalid(f"the model's context is {self.config.max_model_len} tokens, but "
+                          f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
+                          f"{requested} in {param})", param)
+        return requested
+
+    def check_n(self, n: int, param: str) -> None:
+        if n > self.config.max_n:
+            raise invalid(f"{param} must be <= {self.config.max_n}, got {n}", param)
+
+    @staticmethod
+    def sampling_params(**kwargs: Any) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise invalid(str(e), str(e).split(" ", 1)[0]) from None
+
+    # ---- running ---------------------------------------------------------------------
+    def submit(self, request: Request, kind: str, prompts: list[tuple[list[int], SamplingParams]],
+               custom_output_params: list[dict | None]) -> Generation:
+        """Send one engine request per prompt (after the admission check)."""
+        self.admit(len(prompts))
+        adds = [wire.AddRequest(self.client.new_request_id(kind), ids, params.to_dict(), cop)
+                for (ids, params), cop in zip(prompts, custom_output_params)]
+        group = self.client.submit(adds)
+        if self.config.log_requests:
+            for add in adds:
+                log.info("request %s %s prompt_tokens=%d params=%s custom_output_params=%s",
+                         add.request_id, request.url.path, len(add.prompt_token_ids),
+                         add.sampling_params, add.custom_output_params)
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in prompts))
+        return Generation(self.tokenizer, group, prompts, self.metrics)
+
+    @staticmethod
+    async def accepted(request: Request, generation: Generation, watch: bool = True) -> None:
+        """Wait for every accept answer; a rejection becomes an ApiError (605/606).
+        `watch`: give up (ClientGone) when the client disconnects."""
+        waiting = generation.group.accepted()
+        try:
+            await (race_disconnect(request, waiting) if watch else waiting)
+        except EngineError as e:
+            generation.group.abort()
+            raise _api_error(e) from None
+        except BaseException:
+            generation.group.abort()
+            raise
+
+    async def start(self, request: Request, kind: str, prompts: list[tuple[list[int], SamplingParams]],
+                    custom_output_params: list[dict | None]) -> Generation:
+        """submit + accepted."""
+        generation = self.submit(request, kind, prompts, custom_output_params)
+        await self.accepted(request, generation)
+        return generation
+
+    async def collect(self, request: Request, generation: Generation,
+                      watch: bool = True) -> None:
+        """Run a generation to its end (non-streaming); aborts it if the client leaves."""
+        async def drain() -> None:
+            async for _ in generation.run():
+                pass
+        try:
+            await (race_disconnect(request, drain()) if watch else drain())
+        except EngineError as e:
+            raise _api_error(e) from None
+        finally:
+            generation.group.abort()
+            self.log_done(generation)
+
+    def stream(self, request: Request, generation: Generation,
+               events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
+        """SSE response from `events()`; a later engine error becomes the last event; the
+        engine requests are aborted when the stream ends early (client gone)."""
+        path = request.url.path
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events():
+                    yield event
+            except EngineError as e:
+                yield sse_error_event(_api_error(e), path)
+            finally:
+                generation.group.abort()
+                self.log_done(generation)
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def log_done(self, generation: Generation) -> None:
+        if self.config.log_requests:
+            for state in generation.prompts.values():
+                log.info("request %s done: %s", state.request_id, [
+                    (c.index, len(c.token_ids), c.finish_reason) for c in state.choices.values()])

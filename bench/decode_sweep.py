@@ -1,0 +1,92 @@
+"""Decode step time vs batch size at a fixed context, with bandwidth efficiency:
+(weight bytes + KV bytes read per step) / (step time x 4.3 TB/s).
+
+    python bench/decode_sweep.py --model-config ../shared/reference/configs/qwen3-8b.json \
+        --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 [--plot docs/decode_sweep.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.offline import config_dir  # noqa: E402
+from coordinator.config import EngineConfig  # noqa: E402
+from coordinator.offline import LLM  # noqa: E402
+from coordinator.sampling_params import SamplingParams  # noqa: E402
+
+PEAK_BYTES_PER_S = 4.3e12
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes a decode step reads: every parameter once (the embedding only for the batch rows,
+    negligible, so it is left out unless tied to the LM head)."""
+    total = 0
+    for name, p in llm.runner.model.named_parameters():
+        if name == "embed_tokens.weight" and not llm.runner.model_cfg.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def time_decode(llm: LLM, batch: int, context: int, steps: int) -> float:
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / steps
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    engine.step()
+    return elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
+                           max_num_seqs=max(batches), max_model_len=args.context + args.steps + 64,
+                           enforce_eager=args.enforce_eager, enable_prefix_caching=False))
+    wbytes = weight_bytes(llm)
+    kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
+    rows = []
+    for b in batches:
+        need = b * -(-(args.context + args.steps + 16) // llm.runner.cfg.block_size)
+        if need > llm.runner.num_blocks:
+            print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
+            break
+        t = time_decode(llm, b, args.context, args.steps)
+        read = wbytes + b * (args.context + args.steps // 2) * kv_per_token
+        rows.append({"batch": b, "context": args.context, "step_ms": round(t * 1e3, 3),
+                     "tokens_per_s": round(b / t, 1), "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
+                     "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"weight_bytes": wbytes, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

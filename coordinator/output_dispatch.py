@@ -1,0 +1,58 @@
+"""Output dispatch on rank 0 (`--output-workers N`).
+
+Per-request output work (today: turning a request's custom-output row into its wire value
+{dtype, shape, data}) runs either inline (N = 0, serial) or on N worker threads. Tasks are
+sharded by request id: every task of one request goes to the same single-thread shard, so one
+request's outputs are produced in the order they were queued, whatever N is.
+
+A task's array arguments are captured by value (copied) when the task is queued, so the
+step's host buffer may be reused or freed as soon as `submit_rows` returns. The engine waits
+for a step's futures, in queue order, before it builds that step's outputs: results are
+identical for any N; with N > 0 the encoding overlaps the step's sampling.
+"""
+from __future__ import annotations
+
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+
+class OutputDispatcher:
+    def __init__(self, workers: int = 0):
+        if workers < 0:
+            raise ValueError("output workers must be >= 0")
+        self.workers = workers
+        self._shards = [ThreadPoolExecutor(1, thread_name_prefix=f"tapserve-output-{i}")
+                        for i in range(workers)]
+
+    def shard_of(self, key: str) -> int:
+        """Stable shard of a request id (same shard for every task of that request)."""
+        return zlib.crc32(key.encode("utf-8")) % self.workers if self.workers else 0
+
+    def submit(self, key: str, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run fn(*args) for request `key`: inline when serial, else on the key's shard.
+        Array arguments are copied now (captured by value). The Future holds the result or
+        the exception."""
+        args = tuple(np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args)
+        if not self._shards:
+            future: Future = Future()
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # delivered through the future, as with a pool
+                future.set_exception(e)
+            return future
+        return self._shards[self.shard_of(key)].submit(fn, *args)
+
+    def close(self, wait: bool = True) -> None:
+        for shard in self._shards:
+            shard.shutdown(wait=wait)
+        self._shards = []
+        self.workers = 0
+
+    def __enter__(self) -> "OutputDispatcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

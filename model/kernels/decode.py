@@ -1,0 +1,212 @@
+"""Triton paged decode attention (flash-decoding: split the context, then merge the splits).
+
+Contract: one query token per sequence. q [B, H, D] attends to the first context_lens[b] tokens
+of sequence b, read from k_cache / v_cache [num_blocks, block_size, Hkv, D] through
+block_tables [B, max_blocks] (token n lives in block block_tables[b, n // block_size] at offset
+n % block_size). The query is the last position, so no causal mask is needed. GQA: query head h
+reads KV head h // (H // Hkv). A row with context_lens[b] == 0 (a padded CUDA-graph row) yields
+zeros.
+
+Stage 1, grid (B, Hkv, num_kv_splits): each program takes all G = H // Hkv query heads of one
+KV group (padded to >= 16 rows for tl.dot) over one slice of the context. The context is cut
+into num_kv_splits slices of ceil(ceil(ctx / splits) / BLOCK_N) * BLOCK_N tokens, so short
+contexts only use the first few splits; empty splits write lse = -inf. Each program writes its
+normalised partial output and its log2-sum-exp to the workspace:
+    partial_out [>=B, H, splits, D] float32, partial_lse [>=B, H, splits] float32 (base 2,
+    of the scores already multiplied by scale * log2(e)).
+Stage 2, grid (B, H): merges the splits of one (sequence, head) into out [B, H, D].
+
+Neither grid depends on the context lengths, so both launches are CUDA-graph capturable when
+the workspace is allocated once (`make_decode_workspace`) and passed in.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.utils import LOG2E, dot_precision
+
+DEFAULT_NUM_KV_SPLITS = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    part_out_ptr, part_lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    group_size, head_dim,
+    NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx_len = tl.load(context_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, ctx_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < group_size
+    mask_d = offs_d < head_dim
+    heads = kv_head * group_size + offs_g  # query heads of this KV group
+
+    q_ptrs = (q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+
+    for start in range(split_start, split_end, BLOCK_N):
+        tok = start + offs_n
+        mask_n = tok < split_end
+        page = tl.load(bt_row + tok // PAGE, mask=mask_n, other=0).to(tl.int64)
+        in_page = (tok % PAGE).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [G, N], log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+
+    o_ptrs = (part_out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+              + split * stride_os + offs_d[None, :] * stride_od)
+    tl.store(o_ptrs, out, mask=mask_g[:, None] & mask_d[None, :])
+    l_ptrs = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls
+    tl.store(l_ptrs, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    head_dim,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < head_dim
+
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s * stride_ls,
+                  mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits weigh 0
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+
+    part = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+                   + offs_d[None, :] * stride_pd,
+                   mask=mask_s[:, None] & mask_d[None, :] & (w[:, None] > 0.0), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / denom
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def num_kv_splits_for(max_model_len: int, tokens_per_split: int = 256,
+                      max_splits: int = DEFAULT_NUM_KV_SPLITS) -> int:
+    """A fixed split count for a model's context limit: about one split per tokens_per_split
+    tokens, at least 1 and at most max_splits. Choose it once, at construction."""
+    return max(1, min(max_splits, triton.cdiv(max_model_len, tokens_per_split)))
+
+
+def make_decode_workspace(max_batch: int, num_heads: int, head_dim: int, num_kv_splits: int,
+                          device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the stage-1 workspace once: (partial_out [max_batch, H, splits, D] float32,
+    partial_lse [max_batch, H, splits] float32). Any batch B <= max_batch may use it."""
+    part_out = torch.empty(max_batch, num_heads, num_kv_splits, head_dim,
+                           dtype=torch.float32, device=device)
+    part_lse = torch.empty(max_batch, num_heads, num_kv_splits, dtype=torch.float32, device=device)
+    return part_out, part_lse
+
+
+def _decode_config(elem_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for stage 1, fixed per dtype (no register spills on sm_90 for
+    head_dim <= 128)."""
+    return (32, 8) if elem_size >= 4 else (64, 4)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None,
+                           num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           ) -> torch.Tensor:
+    """Decode attention of q [B, H, D] over paged K/V; returns out [B, H, D] (q's dtype).
+
+    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens including the one whose
+    K/V this step stored). `workspace` is `make_decode_workspace(...)` output with at least B
+    rows and exactly num_kv_splits splits; without it, one is allocated per call. `out` may be a
+    strided view. The launch shapes depend only on B, H, Hkv and num_kv_splits.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert num_kv_splits >= 1
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if workspace is None:
+        workspace = make_decode_workspace(batch, num_heads, head_dim, num_kv_splits, q.device)
+    part_out, part_lse = workspace
+    assert part_out.shape[0] >= batch and part_out.shape[1:] == (num_heads, num_kv_splits, head_dim)
+    assert part_lse.shape[0] >= batch and part_lse.shape[1:] == (num_heads, num_kv_splits)
+
+    block_n, warps = _decode_config(k_cache.element_size())
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *part_out.stride(), *part_lse.stride(),
+        group, head_dim,
+        NUM_SPLITS=num_kv_splits, PAGE=k_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=warps, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out,
+        *part_out.stride(), *part_lse.stride(), *out.stride(),
+        head_dim,
+        NUM_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        num_warps=1 if num_kv_splits * block_d <= 1024 else 2,
+    )
+    return out

@@ -1,0 +1,165 @@
+"""Triton paged extend (prefill) attention over cached prefix pages plus this step's tokens.
+
+Contract (same as `model.attention.reference_attention`): q [T, H, D] packs the new tokens of
+B sequences; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] (query_len rows) and
+has context_lens[b] tokens in the paged cache, this step's keys included (the store ran first).
+Its cached prefix is context_lens[b] - query_len tokens, and query row j sits at absolute
+position prefix + j, attending causally to keys 0..prefix + j. Every key, prefix or new, is read
+from k_cache / v_cache [num_blocks, block_size, Hkv, D] through block_tables [B, max_blocks].
+GQA: query head h reads KV head h // (H // Hkv). One online softmax (fp32, log2 units) runs
+over all of a query block's keys.
+
+Grid (cdiv(max_query_len, BLOCK_M), B, H): a program owns BLOCK_M query rows of one sequence
+and one head. Programs past their sequence's query_len do no work. Keys strictly before the
+block's first position are visible to every row and run without a mask; the last few key tiles
+(up to BLOCK_M + BLOCK_N keys) apply the causal mask.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.utils import LOG2E, dot_precision
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
+                 pos, kv_end, qk_scale,
+                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                 PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One BLOCK_N key tile of the online softmax; returns the updated (acc, m_i, l_i)."""
+    tok = start + offs_n
+    if MASKED:
+        mask_n = tok < kv_end
+        page = tl.load(bt_row + tok // PAGE, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    else:
+        page = tl.load(bt_row + tok // PAGE).to(tl.int64)
+        kv_mask = mask_d[None, :]
+    in_page = (tok % PAGE).to(tl.int64)
+    k = tl.load(k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N]
+    if MASKED:
+        visible = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    group_size, head_dim,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    ctx_len = tl.load(context_lens_ptr + b)
+    prefix = ctx_len - q_len
+    m_start = m_block * BLOCK_M
+    active = m_start < q_len
+    # keys < full_end are visible to every row of the block; keys < kv_end to some row
+    full_end = tl.where(active, (prefix + m_start) // BLOCK_N * BLOCK_N, 0)
+    kv_end = tl.where(active, tl.minimum(ctx_len, prefix + m_start + BLOCK_M), 0)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    mask_d = offs_d < head_dim
+    pos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    kv_head = (h // group_size).to(tl.int64)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
+            pos, kv_end, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+            stride_vd, PAGE=PAGE, MASKED=False, DOT_PREC=DOT_PREC)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
+            pos, kv_end, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+            stride_vd, PAGE=PAGE, MASKED=True, DOT_PREC=DOT_PREC)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def _extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype / head size (picked from the
+    sm_90 register report: no spills for 16-bit, head_dim <= 128)."""
+    if elem_size >= 4:  # exact fp32 dots run on FMA units; a test path, not a fast one
+        return (32, 32, 8, 1)
+    if head_dim <= 64:
+        return (64, 64, 4, 2)
+    return (64, 64, 8, 2)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                     block_tables: torch.Tensor, max_query_len: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal extend attention of q [T, H, D] over paged K/V; returns out [T, H, D] (q's dtype).
+
+    query_start_loc [B+1] int32, context_lens [B] int32 (prefix + new tokens), block_tables
+    [B, max_blocks] int32. max_query_len bounds every sequence's query_len and sizes the grid
+    (a larger value only adds idle programs). Rows of q outside every sequence are untouched.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    batch = context_lens.shape[0]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert query_start_loc.shape[0] == batch + 1
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0 or max_query_len <= 0:
+        return out
+
+    block_m, block_n, warps, stages = _extend_config(k_cache.element_size(), head_dim)
+    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, context_lens, block_tables,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        block_tables.stride(0),
+        num_heads // num_kv_heads, head_dim,
+        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return out

@@ -1,0 +1,289 @@
+"""Triton kernels (model/kernels) against the torch reference (model/attention.py).
+
+Two modes:
+  * CUDA (`@pytest.mark.gpu`, skipped without CUDA): full sizes, contexts up to 8K, bf16 / fp16 /
+    fp32, plus a CUDA-graph capture of decode.
+  * CPU under the Triton interpreter: a small case set run in a subprocess with
+    TRITON_INTERPRET=1 set before triton is imported (skipped when triton is not installed).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.attention import AttentionMetadata, reference_attention, store_kv
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+# (num_kv_heads, group, head_dim, block_size)
+GPU_SHAPES = [(8, 1, 128, 16), (8, 4, 128, 32), (4, 8, 128, 16), (2, 4, 64, 16), (4, 8, 64, 32),
+              (16, 1, 64, 32)]
+TOLS = {torch.float32: 2e-4, torch.float16: 6e-3, torch.bfloat16: 2e-2}
+
+
+def _make_case(ctx_lens: list[int], q_lens: list[int], num_kv_heads: int, group: int,
+               head_dim: int, block_size: int, dtype: torch.dtype, device: str, seed: int = 0,
+               q_stride_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               AttentionMetadata]:
+    """Random q [T, H, D], random paged caches with shuffled, non-contiguous block tables, and
+    the metadata of a step whose sequence i has ctx_lens[i] tokens, the last q_lens[i] new.
+    q_stride_pad > 0 makes q a strided view (as when sliced from a fused QKV output)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = [(c + block_size - 1) // block_size for c in ctx_lens]
+    num_blocks = sum(n_blocks) + 7  # spare blocks hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(n_blocks) + 2
+    block_tables = torch.zeros(len(ctx_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(n_blocks):
+        block_tables[i, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    heads = num_kv_heads * group
+    total = sum(q_lens)
+    q_full = torch.randn(total, heads, head_dim + q_stride_pad, generator=gen).to(dtype)
+    q = q_full.to(device)[:, :, :head_dim]  # slice on the device so q stays strided
+    slots = []
+    for i, (c, ql) in enumerate(zip(ctx_lens, q_lens)):
+        for pos in range(c - ql, c):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    starts = [0]
+    for ql in q_lens:
+        starts.append(starts[-1] + ql)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        is_decode=all(ql == 1 for ql in q_lens), max_query_len=max(q_lens),
+        max_context_len=max(ctx_lens), query_start_loc_host=starts,
+        context_lens_host=list(ctx_lens))
+    return q, k_cache.to(device), v_cache.to(device), meta
+
+
+def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The torch reference in float32 (from the same, already rounded inputs)."""
+    return reference_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    tol = TOLS[dtype]
+    err = (out.float() - ref).abs().max().item()
+    assert torch.isfinite(out.float()).all(), f"{what}: non-finite output"
+    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol}"
+
+
+def check_decode(ctx_lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype,
+                 device: str, num_kv_splits: int, seed: int = 0, strided: bool = False) -> None:
+    from model.kernels import paged_decode_attention
+    num_kv_heads, group, head_dim, block_size = shape
+    q, k_cache, v_cache, meta = _make_case(ctx_lens, [1] * len(ctx_lens), num_kv_heads, group,
+                                           head_dim, block_size, dtype, device, seed,
+                                           q_stride_pad=8 if strided else 0)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                 scale, num_kv_splits=num_kv_splits)
+    _check(out, _reference(q, k_cache, v_cache, meta, scale), dtype,
+           f"decode ctx={ctx_lens} shape={shape} {dtype} splits={num_kv_splits}")
+
+
+def check_extend(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int, int, int],
+                 dtype: torch.dtype, device: str, seed: int = 0, strided: bool = False) -> None:
+    from model.kernels import extend_attention
+    num_kv_heads, group, head_dim, block_size = shape
+    ctx_lens = [p + ql for p, ql in zip(prefix_lens, q_lens)]
+    q, k_cache, v_cache, meta = _make_case(ctx_lens, q_lens, num_kv_heads, group, head_dim,
+                                           block_size, dtype, device, seed,
+                                           q_stride_pad=8 if strided else 0)
+    scale = head_dim ** -0.5
+    out = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
+                           meta.block_tables, meta.max_query_len, scale)
+    _check(out, _reference(q, k_cache, v_cache, meta, scale), dtype,
+           f"extend prefix={prefix_lens} q={q_lens} shape={shape} {dtype}")
+
+
+def check_store(num_tokens: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                device: str, seed: int = 0) -> None:
+    from model.kernels import store_kv_cache
+    num_kv_heads, _, head_dim, block_size = shape
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 3
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(cache_shape, generator=gen).to(dtype).to(device)
+    # k/v as strided slices of one fused tensor; every third row padded (slot -1)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::3] = -1
+    slots = slots.to(device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, ref_k, ref_v, slots)
+    store_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), f"store {shape} {dtype}"
+    store_kv_cache(k, v, k_cache, v_cache, slots.to(torch.int32))  # int32 slots, idempotent
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+# ---------------------------------------------------------------- CPU, Triton interpreter
+
+CPU_DECODE_CTX = [1, 15, 16, 17, 33, 70]
+
+
+def _cpu_store() -> None:
+    check_store(20, (2, 1, 64, 16), torch.float32, "cpu")
+    check_store(9, (1, 1, 128, 32), torch.bfloat16, "cpu", seed=1)
+
+
+def _cpu_decode() -> None:
+    check_decode(CPU_DECODE_CTX, (2, 1, 64, 16), torch.float32, "cpu", num_kv_splits=4)
+    check_decode(CPU_DECODE_CTX, (2, 4, 128, 32), torch.float32, "cpu", num_kv_splits=3, seed=1,
+                 strided=True)
+    check_decode([1, 40, 130], (1, 8, 64, 16), torch.float16, "cpu", num_kv_splits=16, seed=2)
+    # a padded CUDA-graph row (context 0) must give zeros, not NaN
+    from model.kernels import paged_decode_attention
+    q, k_cache, v_cache, meta = _make_case([5, 1], [1, 1], 1, 4, 64, 16, torch.float32, "cpu")
+    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                 torch.tensor([5, 0], dtype=torch.int32), 0.125, num_kv_splits=2)
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "context 0 row must be zeros"
+
+
+def _cpu_extend() -> None:
+    check_extend([0, 0, 20, 33], [1, 37, 5, 40], (2, 1, 64, 16), torch.float32, "cpu")
+    check_extend([16, 0, 3], [16, 33, 1], (2, 4, 128, 32), torch.float32, "cpu", seed=1,
+                 strided=True)
+    check_extend([0, 47], [70, 2], (1, 8, 64, 16), torch.float16, "cpu", seed=2)
+
+
+CPU_CHECKS = {"store": _cpu_store, "decode": _cpu_decode, "extend": _cpu_extend}
+
+
+def _run_cpu_checks() -> None:
+    """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 already set): runs every
+    CPU check and prints one JSON line {name: error text or ""}."""
+    import json
+    import traceback
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    torch.set_num_threads(1)
+    results = {}
+    for name, check in CPU_CHECKS.items():
+        try:
+            check()
+            results[name] = ""
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()[-4000:]
+    from model.kernels import triton_available
+    results["triton_available"] = "" if triton_available("cpu") else "triton_available('cpu') False"
+    print("CPU_CHECKS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def cpu_results() -> dict[str, str]:
+    """Run all interpreter checks once, in one subprocess (one torch + triton import)."""
+    import json
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    code = "from tests.test_kernels import _run_cpu_checks; _run_cpu_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("CPU_CHECKS "):
+            return json.loads(line[len("CPU_CHECKS "):])
+    pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", [*sorted(CPU_CHECKS), "triton_available"])
+def test_kernels_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
+    assert cpu_results[name] == "", cpu_results[name]
+
+
+def test_triton_available_reports_bool() -> None:
+    from model.kernels import triton_available
+    assert isinstance(triton_available(), bool)
+    if not HAS_TRITON:
+        assert not triton_available("cpu")
+
+
+# ---------------------------------------------------------------- CUDA, full sizes
+
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_decode_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    ctx = [1, 2, 15, 16, 17, 31, 32, 33, 100, 511, 1024, 1025, 4097, 8192]
+    check_decode(ctx, shape, dtype, "cuda", num_kv_splits=16)
+    check_decode(ctx[::-1][:6], shape, dtype, "cuda", num_kv_splits=5, seed=1, strided=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_extend_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    prefix = [0, 0, 0, 16, 33, 100, 1000, 4096, 0, 7000]
+    q_lens = [1, 17, 300, 16, 64, 1, 129, 1000, 2048, 1192]
+    check_extend(prefix, q_lens, shape, dtype, "cuda")
+    check_extend([5, 0], [3, 1], shape, dtype, "cuda", seed=1, strided=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_store_gpu(dtype: torch.dtype) -> None:
+    for shape in GPU_SHAPES:
+        check_store(700, shape, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_decode_cuda_graph_replay() -> None:
+    """Capture decode once with a fixed workspace, replay with other context lengths."""
+    from model.kernels import make_decode_workspace, paged_decode_attention
+    shape, dtype, splits = (8, 4, 128, 16), torch.bfloat16, 16
+    num_kv_heads, group, head_dim, block_size = shape
+    q, k_cache, v_cache, meta = _make_case([3000, 8000, 1, 400], [1] * 4, num_kv_heads, group,
+                                           head_dim, block_size, dtype, "cuda")
+    scale = head_dim ** -0.5
+    ctx = meta.context_lens.clone()
+    out = torch.empty_like(q)
+    ws = make_decode_workspace(8, q.shape[1], head_dim, splits, "cuda")
+    run = lambda: paged_decode_attention(q, k_cache, v_cache, meta.block_tables, ctx, scale,  # noqa: E731
+                                         out=out, num_kv_splits=splits, workspace=ws)
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for lens in ([3000, 8000, 1, 400], [17, 5000, 64, 1], [0, 1, 2, 3]):
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        live = [i for i, c in enumerate(lens) if c > 0]
+        sub = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[live], query_start_loc=torch.arange(
+                len(live) + 1, dtype=torch.int32, device="cuda"),
+            context_lens=ctx[live], block_tables=meta.block_tables[live], is_decode=True,
+            max_query_len=1, max_context_len=max(lens))
+        _check(out[live], _reference(q[live], k_cache, v_cache, sub, scale), dtype,
+               f"graph replay {lens}")
+        assert all(out[i].abs().max().item() == 0 for i, c in enumerate(lens) if c == 0)
