@@ -46,7 +46,7 @@ ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
 class RequestGroup:
     """The engine requests behind one HTTP request (one per prompt), sharing one queue.
 
-    `accepted()` waits for every request's accept-or-reject answer; `outputs()` then yields
+    `accepted()` waits for every request's accept-or-reject answer; `batches()` then yields
     the RequestOutputs of all of them, in arrival order, until each is finished."""
     client: "EngineClient"
     request_ids: list[str]
@@ -75,19 +75,27 @@ class RequestGroup:
             raise error
 
     async def _next(self) -> wire.RequestOutput:
-        item = await self.queue.get()
+        return self._take(await self.queue.get())
+
+    def _take(self, item: wire.RequestOutput | EngineError) -> wire.RequestOutput:
         if isinstance(item, EngineError):
             raise item
         if item.finished:
             self.finished.add(item.request_id)
         return item
 
-    async def outputs(self):
-        """Yield outputs until every request of the group is finished."""
-        while self._buffered:
-            yield self._buffered.pop(0)
+    async def batches(self):
+        """Yield lists of outputs until every request of the group is finished: each list
+        holds everything queued at that moment, so a reader that fell behind catches up in
+        one go (fewer, larger stream chunks) instead of lagging further."""
+        if self._buffered:
+            batch, self._buffered = self._buffered, []
+            yield batch
         while len(self.finished) < len(self.request_ids):
-            yield await self._next()
+            batch = [await self._next()]
+            while not self.queue.empty() and len(self.finished) < len(self.request_ids):
+                batch.append(self._take(self.queue.get_nowait()))
+            yield batch
 
     def abort(self) -> None:
         """Abort every unfinished request of the group (idempotent)."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from api import wire
 from api.detokenizer import IncrementalDetokenizer, StopChecker
 from api.engine_client import EngineError, RequestGroup
 from api.metrics import ApiMetrics
 from api.tokenizer import TextTokenizer
+from api.values import encode_value
 from coordinator.sampling_params import SamplingParams
 
 
@@ -56,6 +58,19 @@ class PromptState:
     custom_output: dict | None = None
     num_cached_tokens: int = 0
     engine_finished: bool = False
+    _encoded: dict[str, Any] = field(default_factory=dict)  # encoding -> client value
+
+    def set_custom_output(self, value: dict) -> None:
+        if value != self.custom_output:
+            self.custom_output, self._encoded = value, {}
+
+    def encoded_value(self, encoding: str) -> Any:
+        """The custom output as sent to clients (None when absent), encoded once."""
+        if self.custom_output is None:
+            return None
+        if encoding not in self._encoded:
+            self._encoded[encoding] = encode_value(self.custom_output, encoding)
+        return self._encoded[encoding]
 
     @property
     def num_choices(self) -> int:
@@ -64,6 +79,23 @@ class PromptState:
     def all_done(self) -> bool:
         return len(self.choices) >= self.num_choices and all(
             c.finish_reason for c in self.choices.values())
+
+
+def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice index (in index order), concatenating consecutive ones."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids), list(d.logprobs),
+                                          list(d.top_logprobs), d.finish_reason)
+            continue
+        m.text += d.text
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        m.top_logprobs += d.top_logprobs
+        m.finish_reason = d.finish_reason or m.finish_reason
+    return [merged[i] for i in sorted(merged)]
 
 
 class Generation:
@@ -88,7 +120,7 @@ class Generation:
         if out.error_code is not None:
             raise EngineError(out.error_code, out.error_message or "request failed")
         if out.custom_output is not None:
-            state.custom_output = out.custom_output
+            state.set_custom_output(out.custom_output)
         state.num_cached_tokens = out.num_cached_tokens or state.num_cached_tokens
         deltas = [self._apply_sequence(state, s) for s in out.sequences]
         deltas = [d for d in deltas if d is not None]
@@ -157,10 +189,19 @@ class Generation:
 
     # ---- reading ---------------------------------------------------------------------
     async def run(self):
-        """Yield the deltas of each output until the group is done (async generator)."""
-        async for out in self.group.outputs():
-            if out.request_id in self.prompts:
-                yield self.apply(out)
+        """Yield lists of choice deltas until the group is done (async generator); outputs
+        that queued up meanwhile are merged into one delta per choice."""
+        async for batch in self.group.batches():
+            deltas = [d for out in batch if out.request_id in self.prompts
+                      for d in self.apply(out)]
+            yield _merge(deltas) if len(batch) > 1 else deltas
+
+    def prompt_of(self, index: int) -> PromptState:
+        """The prompt whose choices include client choice `index`."""
+        for prompt in self.prompts.values():
+            if prompt.first_index <= index < prompt.first_index + prompt.num_choices:
+                return prompt
+        raise KeyError(index)
 
     def choices(self) -> list[Choice]:
         all_choices = [c for s in self.prompts.values() for c in s.choices.values()]

@@ -172,7 +172,7 @@ class _Answer:
 
     def _value(self, count: int) -> dict:
         prompt = next(iter(self.gen.prompts.values()))
-        value = encode_value(prompt.custom_output, self.body.custom_output_encoding)
+        value = prompt.encoded_value(self.body.custom_output_encoding)
         if value is None:
             return {}
         return {"custom_output": [value] * count if self.cfg.listed else value}

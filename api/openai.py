@@ -19,7 +19,7 @@ from api.generation import Choice, ChoiceDelta, Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from api.state import AppState, sse
 from api.tokenizer import ChatTemplateError
-from api.values import encode_value, finite_logprob
+from api.values import finite_logprob
 
 
 def _state(request: Request) -> AppState:
@@ -32,18 +32,9 @@ def _check_model(state: AppState, model: str | None) -> None:
                             f"'{state.config.served_model_name}'", "model")
 
 
-def _extra(value: dict | None, encoding: str) -> dict:
+def _extra(encoded: Any) -> dict:
     """{"extra_outputs": {"custom_output": ...}} or {} when there is no value."""
-    if value is None:
-        return {}
-    return {"extra_outputs": {"custom_output": encode_value(value, encoding)}}
-
-
-def _choice_value(generation: Generation, index: int) -> dict | None:
-    for prompt in generation.prompts.values():
-        if prompt.first_index <= index < prompt.first_index + prompt.num_choices:
-            return prompt.custom_output
-    return None
+    return {} if encoded is None else {"extra_outputs": {"custom_output": encoded}}
 
 
 # ---- logprobs ----------------------------------------------------------------------------
@@ -107,9 +98,9 @@ class _Shape:
         else:
             out["text"] = c.text
         out["logprobs"] = lp
-        return {**out, **_extra(c.prompt.custom_output, self.body.custom_output_encoding)}
+        return {**out, **_extra(c.prompt.encoded_value(self.body.custom_output_encoding))}
 
-    def chunk_choice(self, d: ChoiceDelta, value: dict | None) -> dict | None:
+    def chunk_choice(self, d: ChoiceDelta, value: Any) -> dict | None:
         first = d.index not in self.started
         if not (d.text or d.finish_reason or first or d.token_ids):
             return None
@@ -122,7 +113,7 @@ class _Shape:
         out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.index) \
             if self.want_logprobs else None
         out["finish_reason"] = d.finish_reason
-        return {**out, **_extra(value, self.body.custom_output_encoding)}
+        return {**out, **_extra(value)}
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list, index: int) -> dict:
         if self.chat:
@@ -142,22 +133,26 @@ async def _respond(request: Request, state: AppState, generation: Generation, bo
         return state.stream(request, generation,
                             lambda: _events(generation, body, shape, kind, model, created))
     await state.collect(request, generation)
-    choices = [shape.full_choice(c) for c in generation.choices()]
-    last = generation.choices()[-1].prompt.custom_output if choices else None
+    all_choices = generation.choices()
+    choices = [shape.full_choice(c) for c in all_choices]
+    last = all_choices[-1].prompt.encoded_value(body.custom_output_encoding) \
+        if all_choices else None
     return JSONResponse({**_envelope(generation, kind, model, created), "choices": choices,
-                         "usage": generation.usage(),
-                         **_extra(last, body.custom_output_encoding)})
+                         "usage": generation.usage(), **_extra(last)})
 
 
 async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, model: str,
                   created: int) -> AsyncIterator[str]:
     head = _envelope(generation, kind + ".chunk" if shape.chat else kind, model, created)
     async for deltas in generation.run():
+        events = []
         for d in deltas:
-            value = _choice_value(generation, d.index)
+            value = generation.prompt_of(d.index).encoded_value(body.custom_output_encoding)
             choice = shape.chunk_choice(d, value)
             if choice is not None:
-                yield sse({**head, "choices": [choice], **_extra(value, body.custom_output_encoding)})
+                events.append(sse({**head, "choices": [choice], **_extra(value)}))
+        if events:
+            yield "".join(events)  # one write for the choices of one output
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": generation.usage()})
     yield "data: [DONE]\n\n"

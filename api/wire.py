@@ -95,7 +95,12 @@ _MESSAGE_TYPES = {cls.TYPE: cls for cls in (AddRequest, AbortRequest, Outputs, E
 
 
 def encode(message: Any) -> bytes:
-    body = asdict(message)
+    """msgpack bytes of a message (Outputs, the per-step hot path, without asdict's deep
+    copies: same bytes, several times faster)."""
+    if isinstance(message, Outputs):
+        body = {"outputs": [_output_body(o) for o in message.outputs]}
+    else:
+        body = asdict(message)
     body["type"] = message.TYPE
     body["version"] = PROTOCOL_VERSION
     return msgpack.packb(body, use_bin_type=True)
@@ -109,6 +114,12 @@ def decode(data: bytes) -> Any:
     if cls is Outputs:
         return Outputs([_request_output(o) for o in body["outputs"]])
     return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
+
+
+def _output_body(out: RequestOutput) -> dict:
+    body = dict(out.__dict__)
+    body["sequences"] = [dict(s.__dict__) for s in out.sequences]
+    return body
 
 
 def _request_output(raw: dict) -> RequestOutput:

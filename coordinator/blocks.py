@@ -62,7 +62,14 @@ class BlockManager:
         return self.blocks_needed(seq.num_tokens) - hits <= self.num_free_blocks - hit_free
 
     def can_append(self, seqs: list[Sequence]) -> bool:
-        return sum(self._blocks_to_append(s) for s in seqs) <= self.num_free_blocks
+        return sum(self.blocks_to_append(s) for s in seqs) <= self.num_free_blocks
+
+    def blocks_to_append(self, seq: Sequence) -> int:
+        """Fresh blocks append_slot(seq) takes: a copy of a shared block, a new last block."""
+        table = seq.block_table
+        i = seq.num_computed_tokens // self.block_size
+        shared = i < len(table) and self.blocks[table[i]].ref_count > 1
+        return shared + (seq.num_tokens > len(table) * self.block_size)
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq: Sequence, reuse_cap: int | None = None) -> int:
@@ -160,9 +167,6 @@ class BlockManager:
         if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
             return i
         return None
-
-    def _blocks_to_append(self, seq: Sequence) -> int:
-        return int(self._shared_write_block(seq) is not None) + int(self._needs_new_block(seq))
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

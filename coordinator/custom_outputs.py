@@ -2,6 +2,7 @@
 the handler once per step on the selected rows (one device-to-host copy per step)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,8 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         if not callable(getattr(handler, "load_weights", None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} names weights but has no "
                                    f"method load_weights()")
-        tensors = _find_tensors(names, model_dir, module_weights_file(spec), device)
+        beside = module_weights_file(spec) or _weights_beside_class(cls)
+        tensors = _find_tensors(names, model_dir, beside, device)
         try:
             handler.load_weights(tensors)
         except Exception as e:
@@ -59,6 +61,15 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
     return handler
 
 
+def _weights_beside_class(cls: type) -> Path | None:
+    """<module_stem>.safetensors beside the file defining cls (package.module:Class specs)."""
+    try:
+        path = Path(inspect.getfile(cls)).with_suffix(".safetensors")
+    except (TypeError, OSError):
+        return None
+    return path if path.is_file() else None
+
+
 def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
                   device: torch.device) -> dict[str, torch.Tensor]:
     files = (safetensors_files(model_dir) if model_dir else []) + ([extra] if extra else [])
@@ -69,8 +80,9 @@ def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
                 found[name] = f.get_tensor(name).to(device)
     missing = [n for n in names if n not in found]
     if missing:
-        raise HandlerLoadError(f"custom handler weights not found: {missing} "
-                               f"(looked in {[str(p) for p in files]})")
+        raise HandlerLoadError(f"custom handler weights not found: {missing} (looked in "
+                               f"{[str(p) for p in files]}, then for <module_stem>.safetensors "
+                               f"beside the module)")
     return found
 
 
@@ -85,6 +97,9 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
             raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) needs a custom "
                                                "output module")
         return -1
+    if params is not None and not isinstance(params, dict):
+        raise RequestError(INVALID_PARAMS, f"custom_output_params must be a JSON object, got "
+                                           f"{type(params).__name__}")
     try:
         pos = handler.select_token_position(list(input_ids), params)
     except ValueError as e:
@@ -147,11 +162,6 @@ def encode_row(row: np.ndarray, dtype: str) -> dict:
     (raw little-endian bytes)."""
     return {"dtype": dtype, "shape": list(row.shape), "data": row.astype(row.dtype.newbyteorder("<"),
                                                                           copy=False).tobytes()}
-
-
-def wire_values(host: HostRows) -> list[dict]:
-    """Every row's wire value, serially (the dispatcher does the same per request)."""
-    return [encode_row(host.row(i), host.dtype) for i in range(len(host))]
 
 
 def decode_value(value: dict) -> torch.Tensor:

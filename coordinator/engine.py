@@ -200,7 +200,7 @@ class Engine:
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
 
     def _sample_plain(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
-        rows = [SampleRow(s.request.params, s.request.prompt_token_ids, s.output_token_ids,
+        rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
                           self.options.eos_token_ids, seed_key=s.index,
                           num_samples=1 if s.request.forked else s.request.params.n)
                 for _, s in items]
@@ -316,7 +316,7 @@ class Engine:
         seq.num_emitted_tokens = seq.num_output_tokens
         want_lp = seq.request.params.logprobs
         return SequenceOutput(
-            index=seq.index, new_token_ids=seq.output_token_ids[start:],
+            index=seq.index, new_token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
             new_logprobs=seq.logprobs[start:] if want_lp else None,
             new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
             finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob)

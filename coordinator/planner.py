@@ -26,6 +26,9 @@ def needs_custom_row(seq: Sequence, start: int, n: int) -> bool:
 
 def build_plan(batch: ScheduledBatch, block_size: int,
                block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
+    kind = _step_kind(batch)
+    if kind is StepKind.DECODE:
+        return _decode_plan(batch, block_size, block_copies)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -50,15 +53,11 @@ def build_plan(batch: ScheduledBatch, block_size: int,
         if needs_custom_row(seq, start, n):
             custom_rows.append(offset + seq.request.custom_position - start)
             rows.custom_seqs.append(seq)
-    width = max((len(t) for t in tables), default=0)
-    block_tables = np.zeros((len(tables), width), np.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, :len(t)] = t
     plan = StepPlan(
-        kind=_step_kind(batch),
+        kind=kind,
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
-        context_lens=np.asarray(context_lens, np.int32), block_tables=block_tables,
+        context_lens=np.asarray(context_lens, np.int32), block_tables=_block_tables(tables),
         logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
     return plan, rows
@@ -70,3 +69,31 @@ def _step_kind(batch: ScheduledBatch) -> StepKind:
     if all(decoding):
         return StepKind.DECODE
     return StepKind.MIXED if any(decoding) else StepKind.PREFILL
+
+
+def _block_tables(tables: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
+def _decode_plan(batch: ScheduledBatch, block_size: int,
+                 block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
+    """The common case, vectorized: every sequence computes its one newest token."""
+    seqs = batch.seqs
+    rows = PlanRows(logit_seqs=[s for s in seqs if s.request.params.max_new_tokens > 0])
+    ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
+    context_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, len(seqs))
+    positions = context_lens.astype(np.int64) - 1
+    tables = _block_tables([s.block_table for s in seqs])
+    blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
+    plan = StepPlan(
+        kind=StepKind.DECODE, input_ids=ids, positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
+        block_tables=tables,
+        logit_rows=np.arange(len(seqs), dtype=np.int64) if len(rows.logit_seqs) == len(seqs) else
+        np.asarray([i for i, s in enumerate(seqs) if s.request.params.max_new_tokens > 0], np.int64),
+        block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
+    return plan, rows

@@ -18,11 +18,23 @@ from coordinator.sampling_params import SamplingParams
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output so far (a reference, not a copy)
+    num_prompt_tokens: int
     eos_token_ids: list[int]
     seed_key: int = 0  # sample index within the request (different noise per sample)
     num_samples: int = 1  # draw this many tokens from the row (first step of n > 1)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -67,7 +79,7 @@ class Sampler:
                 ids = [t for t in p.logit_bias if 0 <= t < vocab]
                 vals = torch.tensor([p.logit_bias[t] for t in ids], device=logits.device)
                 logits[i, ids] += vals
-            if len(row.output_token_ids) < p.min_tokens:
+            if row.num_output_tokens < p.min_tokens:
                 banned = [t for t in (row.eos_token_ids + p.stop_token_ids) if 0 <= t < vocab]
                 logits[i, banned] = float("-inf")
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
@@ -101,7 +113,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, (r, key) in enumerate(zip(rows, keys)):
             if r.params.seed is not None and not greedy[i]:
-                seed = hash((r.params.seed, key, len(r.output_token_ids))) & (2**63 - 1)
+                seed = hash((r.params.seed, key, r.num_output_tokens)) & (2**63 - 1)
                 gen = torch.Generator(device=dev).manual_seed(seed)
                 noise[i].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)

@@ -70,16 +70,22 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        handled: set[Sequence] = set()
+        handled: set[Sequence] = set()  # beams scheduled together with an earlier one
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq in handled:
                 continue  # preempted earlier in this loop, or scheduled with its beams
-            group = self._group(seq)
-            handled.update(group)
-            if all(self._reserve_block(s, batch) for s in group):
-                budget = self._take_tokens(group, batch, budget)
+            if seq.request.params.num_beams > 1:
+                group = self._group(seq)
+                handled.update(group)
+                if all(self._reserve_block(s, batch) for s in group):
+                    budget = self._take_tokens(group, batch, budget)
+            elif self._reserve_block(seq, batch):
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
         return budget
 
     def _group(self, seq: Sequence) -> list[Sequence]:
@@ -92,7 +98,7 @@ class Scheduler:
     def _reserve_block(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Ensure seq has a slot for its newest token, preempting the most recently arrived
         sequences if needed. False when seq itself was preempted."""
-        while not self.blocks.can_append([seq]):
+        while self.blocks.blocks_to_append(seq) > self.blocks.num_free_blocks:
             victim = max(self.running, key=lambda s: (s.request.arrival_order, s.index))
             group = self._group(victim)
             self._preempt(group, batch)

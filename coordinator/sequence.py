@@ -75,7 +75,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return bool(self.sequences) and all(s.is_finished for s in self.sequences)
+        for s in self.sequences:
+            if s.status is not SeqStatus.FINISHED:
+                return False
+        return bool(self.sequences)
 
 
 class SequenceFactory:

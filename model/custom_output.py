@@ -73,12 +73,17 @@ def load_handler_class(spec: str) -> type:
             raise HandlerLoadError(f"custom module file not found: {path}")
         mod_spec = importlib.util.spec_from_file_location(f"tapserve_custom_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise HandlerLoadError(f"cannot load custom module {path}: "
+                                   f"{type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as e:
-            raise HandlerLoadError(f"cannot import custom module {target!r}: {e}") from e
+        except Exception as e:  # ImportError, or the module raised while importing
+            raise HandlerLoadError(f"cannot import custom module {target!r}: "
+                                   f"{type(e).__name__}: {e}") from e
     if class_name:
         if not hasattr(module, class_name):
             raise HandlerLoadError(f"{target} has no class {class_name!r}")

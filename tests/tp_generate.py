@@ -30,6 +30,14 @@ def main(spec_file: str, out_file: str) -> None:
         return
     engine = build_engine(config, runner, channel.send if channel else (lambda p: None))
     results = {}
+    preemptions = [0]
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        batch = schedule()
+        preemptions[0] += len(batch.preempted)
+        return batch
+    engine.scheduler.schedule = counting_schedule
     for i, req in enumerate(spec["requests"]):
         engine.add_request(str(i), req["prompt"], SamplingParams(**req["params"]),
                            req.get("custom_output_params"))
@@ -38,10 +46,12 @@ def main(spec_file: str, out_file: str) -> None:
             r = results.setdefault(out.request_id, {"tokens": {}, "custom_output": None})
             for s in out.sequences:
                 r["tokens"].setdefault(str(s.index), []).extend(s.new_token_ids)
+                r.setdefault("top_logprobs", []).extend(s.new_top_logprobs or [])
             if out.custom_output is not None:
                 r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
             r["cached"] = out.num_cached_tokens
     results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
+    results["_preemptions"] = preemptions[0]
     if channel:
         channel.send(StepPlan(kind=StepKind.STOP))
     Path(out_file).write_text(json.dumps(results))

@@ -1,0 +1,86 @@
+"""The coordinator's per-step CPU work (schedule, build plan, post-process incl. sampling) at
+256 running decode sequences, with the model replaced by a stand-in that returns fixed logits.
+Goal: under 1 ms per decode step.
+
+    python bench/step_overhead.py [--seqs 256] [--context 2048] [--vocab 151936]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from coordinator.engine import Engine, EngineOptions  # noqa: E402
+from coordinator.sampling_params import SamplingParams  # noqa: E402
+from coordinator.scheduler import SchedulerConfig  # noqa: E402
+from ranks.plan import StepPlan  # noqa: E402
+from ranks.runner import StepOutput  # noqa: E402
+
+
+@dataclass
+class _Cfg:
+    block_size: int = 16
+
+
+class StandInRunner:
+    """Looks like ModelRunner to the engine; 'runs' a step by returning preset logits."""
+
+    def __init__(self, num_blocks: int, vocab: int, max_seqs: int, device: str):
+        self.num_blocks, self.cfg, self.device = num_blocks, _Cfg(), torch.device(device)
+        self.logits = torch.randn(max_seqs, vocab, device=device)
+        self.hidden = torch.zeros(max_seqs * 4, 8, device=device)
+
+    def graph_bucket_for(self, plan: StepPlan) -> int:
+        return -1
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return StepOutput(self.hidden[:1], self.logits[:plan.logit_rows.shape[0]])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, default=256)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    blocks_per_seq = -(-(args.context + args.steps + 8) // 16)
+    runner = StandInRunner(args.seqs * blocks_per_seq + 1, args.vocab, args.seqs, args.device)
+    engine = Engine(runner, EngineOptions(max_model_len=args.context + args.steps + 64,
+                                          eos_token_ids=[], vocab_size=args.vocab,
+                                          scheduler=SchedulerConfig(args.seqs, 1 << 30)))
+    params = SamplingParams(max_new_tokens=args.steps + 8, temperature=args.temperature, ignore_eos=True)
+    for i in range(args.seqs):
+        engine.add_request(str(i), [(i + j) % 1000 for j in range(args.context)], params)
+    engine.step()  # the prefill step
+    engine.step()
+    prof = cProfile.Profile() if args.profile else None
+    if prof:
+        prof.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    per_step = (time.perf_counter() - start) / args.steps
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    print(json.dumps({"seqs": args.seqs, "context": args.context, "vocab": args.vocab,
+                      "temperature": args.temperature,
+                      "coordinator_ms_per_decode_step": round(per_step * 1e3, 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Unit tests of the API process's pieces that need no server: the torch-free import, the
+ApiConfig command line, custom-output JSON/base64 encoding, the incremental detokenizer and
+stop strings, the wire round trip, and the error envelopes."""
+from __future__ import annotations
+
+import base64
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from api import wire
+from api.config import ApiConfig
+from api.detokenizer import IncrementalDetokenizer, StopChecker
+from api.errors import ApiError
+from api.values import encode_value, finite_logprob
+from tests.api_helpers import ROOT
+
+
+def test_api_process_imports_no_torch():
+    code = ("import api.server, api.openai, api.native, sys; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_api_config_argv_roundtrip(tmp_path):
+    ipc = tmp_path / "ipc"
+    cfg = ApiConfig(ipc_dir=str(ipc), tokenizer="/tok", served_model_name="m", port=1234,
+                    api_key="s3cret", max_num_seqs=8, max_queued_requests=3, log_requests=True,
+                    chat_template="/t.jinja", max_tokens=100, parent_pid=42)
+    argv = cfg.to_argv()
+    assert "s3cret" not in " ".join(argv)  # the key travels in a 0600 file, not in argv
+    key_file = argv[argv.index("--api-key-file") + 1]
+    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert ApiConfig.from_argv(argv) == cfg
+    assert cfg.max_in_flight == 11
+    plain = ApiConfig(ipc_dir="/x", tokenizer="/t")
+    assert ApiConfig.from_argv(plain.to_argv()) == plain
+    with pytest.raises(ValueError):
+        ApiConfig(ipc_dir="/x", tokenizer="/t", max_n=0)
+
+
+def _wire_value(t: torch.Tensor) -> dict:
+    carrier = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": carrier.numpy().tobytes()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float_values_widen_exactly(dtype):
+    t = torch.tensor([[1.0 / 3, -2.5e-3, 65504.0 if dtype == torch.float16 else 1e30]]).to(dtype)
+    assert encode_value(_wire_value(t)) == t.double().tolist()
+    assert encode_value(_wire_value(t[0, :1].reshape(1))) == [t[0, 0].double().item()]
+
+
+def test_int32_and_non_finite_values():
+    ints = torch.tensor([[1, -7, 2**31 - 1]], dtype=torch.int32)
+    assert encode_value(_wire_value(ints)) == [[1, -7, 2**31 - 1]]
+    special = torch.tensor([[float("nan"), float("inf"), -float("inf"), 0.5]])
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert encode_value(_wire_value(special.to(dtype))) == [["NaN", "Infinity", "-Infinity", 0.5]]
+    assert finite_logprob(-float("inf")) == -9999.0 and finite_logprob(-1.5) == -1.5
+
+
+def test_base64_value_is_raw_bytes():
+    t = torch.tensor([[1.5, float("nan")]], dtype=torch.bfloat16)
+    value = _wire_value(t)
+    b64 = encode_value(value, "base64")
+    assert b64["dtype"] == "bfloat16" and b64["shape"] == [1, 2]
+    assert base64.b64decode(b64["data"]) == value["data"]
+
+
+class _Tok:
+    """The demo tokenizer through api.tokenizer (no transformers)."""
+
+    def __init__(self):
+        from api.tokenizer import TextTokenizer
+        from model.demo import ensure_demo_checkpoint
+        self.t = TextTokenizer.from_dir(ensure_demo_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _Tok().t
+
+
+def _stream(tok, ids, stop=None, include=False, prompt=()):
+    d = IncrementalDetokenizer(tok, list(prompt), True, StopChecker(stop or [], include))
+    pieces = []
+    for i in ids:
+        d.add_tokens([i])
+        pieces.append(d.take_delta())
+    d.finish()
+    pieces.append(d.take_delta(final=True))
+    return pieces, d
+
+
+def test_detokenizer_is_utf8_safe(tok):
+    text = "Hello café naïve 😀 日本語 world"
+    ids = tok.encode(text)
+    pieces, _ = _stream(tok, ids, prompt=tok.encode("Say:"))
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_detokenizer_stop_strings(tok):
+    text = "one two three four five six"
+    ids = tok.encode(text)
+    pieces, d = _stream(tok, ids, stop=["four", "nothing"])
+    assert "".join(pieces) == "one two three " and d.stopped
+    assert all("f" not in p for p in pieces)  # the stop string's start was never sent
+    _, kept = _stream(tok, ids, stop=["four"], include=True)
+    assert kept.text == "one two three four"
+    assert kept.num_tokens < len(ids)
+
+
+def test_detokenizer_skip_special_tokens(tok):
+    ids = tok.encode("hi<|im_end|>")
+    _, d = _stream(tok, ids)
+    assert d.text == "hi"
+    keep = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    keep.add_tokens(ids)
+    keep.finish()
+    assert keep.text == "hi<|im_end|>"
+
+
+def test_wire_roundtrip_and_envelopes():
+    out = wire.Outputs([wire.RequestOutput("r1", sequences=[wire.SequenceOutput(0, [1, 2])],
+                                           custom_output={"dtype": "float32", "shape": [1],
+                                                          "data": b"\0\0\x80?"})])
+    back = wire.decode(wire.encode(out))
+    assert back.outputs[0].sequences[0].new_token_ids == [1, 2]
+    assert encode_value(back.outputs[0].custom_output) == [1.0]
+    e = ApiError(wire.INVALID_PARAMS, "bad", "temperature")
+    assert e.status == 400 and e.openai_body()["error"]["code"] == "605_INVALID_PARAMS"
+    assert ApiError(wire.EXECUTION_EXCEPTION, "x").status == 500
+    assert ApiError(503, "busy").native_body() == {
+        "error_code": 503, "error_code_str": "503_SERVICE_UNAVAILABLE", "message": "busy"}
+    assert np.isfinite(finite_logprob(float("nan")))
+
+
+def test_gate_auth_and_body_limit():
+    import asyncio
+
+    import httpx
+    from fastapi.responses import JSONResponse
+
+    from api.metrics import ApiMetrics
+    from api.server import Gate
+
+    async def echo(scope, receive, send):
+        body = (await receive()).get("body", b"")
+        await JSONResponse({"size": len(body)})(scope, receive, send)
+
+    cfg = ApiConfig(ipc_dir="/x", tokenizer="/t", api_key="k", max_body_bytes=1024)
+    app = Gate(echo, cfg, ApiMetrics(lambda: wire.EngineStats()))
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            ok = await c.post("/generate", content=b"x" * 1000, headers={"Authorization": "Bearer k"})
+            big = await c.post("/v1/completions", content=b"x" * 2000,
+                               headers={"Authorization": "Bearer k"})
+            nokey = await c.post("/generate", content=b"{}")
+            wrong = await c.post("/v1/completions", content=b"{}",
+                                 headers={"Authorization": "Bearer kk"})
+            health = await c.get("/health")
+            return ok, big, nokey, wrong, health
+    ok, big, nokey, wrong, health = asyncio.run(main())
+    assert ok.json() == {"size": 1000}
+    assert big.status_code == 413 and big.json()["error"]["code"] == "413_REQUEST_TOO_LARGE"
+    assert nokey.status_code == 401 and nokey.json()["error_code"] == 401
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+    assert health.status_code == 200

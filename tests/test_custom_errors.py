@@ -1,0 +1,189 @@
+"""Custom-output errors: selection (605 / 606 at admission, never scheduled), handler failures
+(606 for exactly the requests with rows in the failing call; the rest of the batch and later
+requests are served), scoring-only rules, and start-up checks (HandlerLoadError)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
+from coordinator.sampling_params import SamplingParams
+from model.custom_output import HandlerLoadError
+from tests.custom_helpers import (HEAD_WIDTH, Reference, assert_close, greedy, make_head_checkpoint,
+                                  make_llm, prompt, run)
+
+torch.set_num_threads(1)
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt: Path) -> Reference:
+    return Reference(ckpt)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt: Path):
+    return make_llm(ckpt)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(ckpt: Path):
+    return make_llm(ckpt, custom_module=None)
+
+
+def assert_refused(r, rid: str, code: int, llm) -> None:
+    assert rid in r.errors, f"{rid} was accepted"
+    assert r.errors[rid].code == code, r.errors[rid].message
+    assert rid not in r.outputs and rid not in llm.engine.requests  # never scheduled
+    assert all(req.request_id != rid for req in llm.engine.scheduler.waiting)
+
+
+def test_selector_value_error_is_605_then_next_request_succeeds(llm, ref) -> None:
+    bad, good = prompt(12, 10), prompt(12, 11)
+    r = run(llm, [("bad", bad, greedy(), {"raise": "value"})])
+    assert_refused(r, "bad", INVALID_PARAMS, llm)
+    assert "position spec is not valid" in r.errors["bad"].message
+    assert not r.steps  # nothing was scheduled
+    r = run(llm, [("good", good, greedy(), {"position": 6})])
+    assert r.final("good").error_code is None
+    assert_close(r.value("good"), ref.head(good, 6))
+
+
+def test_params_must_be_an_object(llm) -> None:
+    r = run(llm, [("list", prompt(10, 15), greedy(), [1, 2])])
+    assert_refused(r, "list", INVALID_PARAMS, llm)
+
+
+@pytest.mark.parametrize("position", ["len", -2, -7, 3.5, True, "3"])
+def test_out_of_range_or_non_integer_position_is_605(llm, position) -> None:
+    ids = prompt(10, 20)
+    pos = len(ids) if position == "len" else position
+    r = run(llm, [("oor", ids, greedy(), {"position": pos})])
+    assert_refused(r, "oor", INVALID_PARAMS, llm)
+
+
+def test_other_selector_exception_is_606(llm) -> None:
+    r = run(llm, [("crash", prompt(10, 30), greedy(), {"raise": "runtime"}),
+                  ("fine", prompt(10, 31), greedy(), None)])
+    assert_refused(r, "crash", EXECUTION_EXCEPTION, llm)
+    assert "RuntimeError" in r.errors["crash"].message and "selector crashed" in r.errors["crash"].message
+    assert r.final("fine").error_code is None and r.value("fine") is not None
+
+
+def test_params_without_module_and_scoring_rules_are_605(llm, plain_llm) -> None:
+    ids = prompt(10, 40)
+    r = run(plain_llm, [("params", ids, greedy(), {"position": 1}),
+                        ("score", ids, SamplingParams(max_new_tokens=0), None),
+                        ("plain", ids, greedy(max_new_tokens=2), None)])
+    assert_refused(r, "params", INVALID_PARAMS, plain_llm)
+    assert_refused(r, "score", INVALID_PARAMS, plain_llm)
+    assert r.final("plain").error_code is None and r.final("plain").custom_output is None
+    r = run(llm, [("score_none", ids, SamplingParams(max_new_tokens=0), {"none": True})])
+    assert_refused(r, "score_none", INVALID_PARAMS, llm)
+
+
+def test_handler_exception_fails_exactly_the_rows_of_that_call(llm, ref) -> None:
+    handler, engine = llm.engine.handler, llm.engine
+    a, b, c, d, e = prompt(8, 50), prompt(9, 51), prompt(8, 52), prompt(40, 53), prompt(7, 54)
+    errors_before = engine.custom_stats.errors
+    handler.fail_calls = {len(handler.calls)}  # the next forward call raises
+    try:
+        r = run(llm, [("a", a, greedy(max_new_tokens=3, ignore_eos=True), {"position": 3}),
+                      ("b", b, SamplingParams(max_new_tokens=3, n=2, seed=1), {"position": 8}),
+                      ("c", c, greedy(max_new_tokens=3, ignore_eos=True), {"none": True}),
+                      ("d", d, greedy(max_new_tokens=3, ignore_eos=True), {"position": 35})])
+    finally:
+        handler.fail_calls = set()
+    failing = [plan for plan, calls in r.steps if plan.custom_rows.size][0]
+    assert failing.custom_rows.size == 2  # a and b share the failing call; d comes later
+    for rid in ("a", "b"):
+        final = r.final(rid)
+        assert final.finished and final.error_code == EXECUTION_EXCEPTION
+        assert final.error_message.startswith("custom output processor failed:")
+        assert "injected head failure" in final.error_message
+        assert set(r.finish_reasons(rid).values()) == {"error"}
+        assert all(o.custom_output is None for o in r.outputs[rid])
+    assert engine.custom_stats.errors == errors_before + 1
+    # the rest of the batch finishes normally
+    for rid in ("c", "d"):
+        assert r.final(rid).error_code is None
+        assert r.finish_reasons(rid) == {0: "length"} and len(r.tokens(rid)[0]) == 3
+    assert r.final("c").custom_output is None
+    assert_close(r.value("d"), ref.head(d, 35))
+    # and the engine keeps serving
+    r = run(llm, [("after", e, greedy(), None)])
+    assert_close(r.value("after"), ref.head(e, len(e) - 1))
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("tests.custom_helpers:NoForward", "no method forward"),
+    ("tests.custom_helpers:MissingWeights", "no_such_head.weight"),
+    ("tests.custom_helpers:BadDryRun", "dry run failed.*float64"),
+    ("tests.custom_helpers:CrashingDryRun", "dry run failed.*head not initialised"),
+    ("tests.custom_helpers:NoSuchClass", "no class 'NoSuchClass'"),
+    ("tests/no_such_module.py", "not found"),
+    ("no_such_package.heads:Head", "cannot import"),
+])
+def test_startup_checks(ckpt, spec, match) -> None:
+    with pytest.raises(HandlerLoadError, match=match):
+        make_llm(ckpt, custom_module=spec)
+
+
+def test_startup_checks_on_module_files(ckpt, tmp_path) -> None:
+    broken = tmp_path / "broken_head.py"
+    broken.write_text("class Head:\n    def forward(self, h)\n        return h\n")
+    with pytest.raises(HandlerLoadError, match="cannot load custom module.*SyntaxError"):
+        make_llm(ckpt, custom_module=str(broken))
+    no_loader = tmp_path / "no_loader.py"
+    no_loader.write_text(
+        "class Head:\n"
+        "    def select_token_position(self, ids, params):\n        return 0\n"
+        "    def weight_names(self):\n        return ['test_head.weight']\n"
+        "    def forward(self, h):\n        return h[:, 0].float()\n")
+    with pytest.raises(HandlerLoadError, match="no method load_weights"):
+        make_llm(ckpt, custom_module=str(no_loader))
+    two = tmp_path / "two_heads.py"
+    two.write_text(no_loader.read_text() + "\n\nclass Other(Head):\n    pass\n")
+    with pytest.raises(HandlerLoadError, match="name the handler class"):
+        make_llm(ckpt, custom_module=str(two))
+
+
+def test_package_module_reads_weights_beside_its_file(ckpt, ref, tmp_path, monkeypatch) -> None:
+    """`package.module:Class` finds <module_stem>.safetensors next to the module's file."""
+    from safetensors.torch import save_file
+    pkg = tmp_path / "deploy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scaled.py").write_text(
+        "import torch\n"
+        "class Scaled:\n"
+        "    def select_token_position(self, ids, params):\n        return len(ids) - 1\n"
+        "    def weight_names(self):\n        return ['scale']\n"
+        "    def load_weights(self, t):\n        self.scale = t['scale']\n"
+        "    def forward(self, h):\n        return (h.float() * self.scale).sum(-1)\n")
+    scale = torch.linspace(-1, 1, 64)
+    save_file({"scale": scale}, str(pkg / "scaled.safetensors"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    llm = make_llm(ckpt, custom_module="deploy_pkg.scaled:Scaled")
+    assert torch.equal(llm.engine.handler.scale, scale)
+    ids = prompt(9, 70)
+    r = run(llm, [("s", ids, greedy(max_new_tokens=1), None)])
+    h = ref.final_hidden(ids)[-1:]
+    assert_close(r.value("s"), (h * scale).sum(-1))
+
+
+def test_module_handler_with_grad_parameters(ckpt, ref) -> None:
+    """nn.Module heads (parameters requiring grad) run on the engine's inference tensors."""
+    llm = make_llm(ckpt, custom_module="tests.custom_helpers:ModuleHead")
+    ids = prompt(13, 60)
+    r = run(llm, [("m", ids, greedy(), None)])
+    assert r.final("m").error_code is None, r.final("m").error_message
+    assert r.value("m").shape == (1, HEAD_WIDTH)
+    assert_close(r.value("m"), ref.head(ids, len(ids) - 1))

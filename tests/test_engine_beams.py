@@ -1,0 +1,121 @@
+"""Beam search against transformers' `generate(num_beams=4, num_return_sequences=4)` with EOS
+disabled and length_penalty 1.0: the same beams, in the same order, with the same scores
+(`sequences_scores`). Pinned to the transformers major version of engine_helpers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.sampling_params import SamplingParams
+from tests.checkpoints import make_tiny_checkpoint
+from tests.engine_helpers import (count_preemptions, greedy, hf_greedy, hf_model, make_llm,
+                                  random_prompts, require_transformers_major, run, token_ids)
+
+VOCAB = 512
+BEAMS = 4
+NEW = 24
+LENGTHS = [1, 17, 40]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pinned_transformers():
+    require_transformers_major()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def setup(request, tmp_path_factory):
+    arch = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch)
+    model = hf_model(path)
+    prompts = random_prompts(LENGTHS, VOCAB, seed=21)
+    return path, model, prompts, [hf_beams(model, p, NEW) for p in prompts]
+
+
+@torch.no_grad()
+def hf_beams(model, prompt: list[int], max_new_tokens: int, length_penalty: float = 1.0):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                         num_beams=BEAMS, num_return_sequences=BEAMS, length_penalty=length_penalty,
+                         early_stopping=False, output_scores=True, return_dict_in_generate=True)
+    seqs = [row[len(prompt):].tolist() for row in out.sequences]
+    return seqs, out.sequences_scores.tolist()
+
+
+def beam_params(**kwargs) -> SamplingParams:
+    kwargs = dict(max_new_tokens=NEW, temperature=0.0, num_beams=BEAMS, n=BEAMS, ignore_eos=True,
+                  length_penalty=1.0) | kwargs
+    return SamplingParams(**kwargs)
+
+
+def assert_beams_match(result, expected) -> None:
+    seqs, scores = expected
+    assert len(result.outputs) == BEAMS
+    got = [o.token_ids for o in result.outputs]
+    assert got == seqs
+    torch.testing.assert_close(torch.tensor([o.cumulative_logprob for o in result.outputs],
+                                            dtype=torch.float64),
+                               torch.tensor(scores, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert all(o.finish_reason == "length" for o in result.outputs)
+
+
+def test_beams_and_scores_match_transformers(setup) -> None:
+    path, _, prompts, expected = setup
+    llm = make_llm(path)
+    results = run(llm, prompts, beam_params())
+    for r, e in zip(results, expected):
+        assert_beams_match(r, e)
+
+
+def test_beams_beside_greedy_requests(setup) -> None:
+    """Beam requests batched with plain greedy requests: both kinds are unaffected."""
+    path, model, prompts, expected = setup
+    llm = make_llm(path)
+    others = random_prompts([5, 33], VOCAB, seed=22)
+    params = [greedy(NEW), beam_params(), greedy(NEW), beam_params()]
+    results = run(llm, [others[0], prompts[1], others[1], prompts[2]], params)
+    assert_beams_match(results[1], expected[1])
+    assert_beams_match(results[3], expected[2])
+    assert token_ids([results[0], results[2]]) == hf_greedy(model, others, NEW)
+
+
+def test_fewer_returned_sequences(setup) -> None:
+    """n = 2 of 4 beams: the two best of transformers' four."""
+    path, _, prompts, expected = setup
+    llm = make_llm(path)
+    r = run(llm, [prompts[1]], beam_params(n=2))[0]
+    seqs, scores = expected[1]
+    assert [o.token_ids for o in r.outputs] == seqs[:2]
+    assert [o.cumulative_logprob for o in r.outputs] == pytest.approx(scores[:2], abs=1e-4)
+
+
+def test_beams_with_a_small_token_budget(setup) -> None:
+    """8 beams decoding under a 6-token step budget: a request's beams must still advance
+    together."""
+    path, _, prompts, expected = setup
+    llm = make_llm(path, max_num_batched_tokens=6)
+    results = run(llm, prompts[1:], beam_params())
+    for r, e in zip(results, expected[1:]):
+        assert_beams_match(r, e)
+
+
+@pytest.mark.parametrize("budget", [8192, 10])
+def test_beams_survive_preemption(setup, budget) -> None:
+    """16 blocks for a long greedy request and two beam requests of up to 4 x 3 and 4 x 4
+    blocks: beams are preempted (together) and recomputed (with a 10-token budget: in
+    chunks, the beams still sampling in one step), and nothing changes."""
+    path, model, prompts, expected = setup
+    llm = make_llm(path, num_kv_blocks=16, max_num_batched_tokens=budget)
+    other = random_prompts([60], VOCAB, seed=23)
+    with count_preemptions(llm) as preempted:
+        results = run(llm, other + prompts[1:], [greedy(NEW), beam_params(), beam_params()])
+    assert preempted, "the KV budget was meant to force preemption"
+    assert token_ids(results[:1]) == hf_greedy(model, other, NEW)
+    for r, e in zip(results[1:], expected[1:]):
+        assert_beams_match(r, e)
+
+
+def test_length_penalty(setup) -> None:
+    """length_penalty != 1 only rescales finished scores here (all beams end at max length)."""
+    path, model, prompts, _ = setup
+    llm = make_llm(path)
+    r = run(llm, [prompts[1]], beam_params(length_penalty=0.5))[0]
+    assert_beams_match(r, hf_beams(model, prompts[1], NEW, length_penalty=0.5))

@@ -1,0 +1,88 @@
+"""Greedy generation against transformers: token ids identical to `model.generate` and the
+logits of every sampled position allclose, for Qwen3, Qwen2 and Llama (Llama-3 rope scaling),
+on a batch of prompts of different lengths (1 token, around block boundaries)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import ARCHS, make_tiny_checkpoint
+from tests.engine_helpers import (assert_logits_match, capture_logits, capture_plans, greedy,
+                                  hf_greedy, hf_model, make_llm, random_prompts, run, token_ids)
+
+VOCAB = 512
+BLOCK = 16
+# 1 token, around one and two block boundaries, several blocks
+LENGTHS = [1, 3, 15, 16, 17, 31, 32, 33, 48, 57]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request, tmp_path_factory):
+    arch = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch)
+    llm = make_llm(path, block_size=BLOCK)
+    model = hf_model(path)
+    prompts = random_prompts(LENGTHS, VOCAB, seed=ARCHS.index(arch))
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
+    return arch, path, llm, model, prompts, expected
+
+
+def test_checkpoint_has_expected_architecture(setup) -> None:
+    arch, _, llm, model, _, _ = setup
+    cfg = llm.runner.model_cfg
+    assert cfg.architecture == arch
+    assert cfg.qk_norm == (arch == "qwen3") and cfg.attention_bias == (arch == "qwen2")
+    if arch == "llama":
+        assert cfg.rope_scaling and cfg.rope_scaling["rope_type"] == "llama3"
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+    assert cfg.tie_word_embeddings == bool(model.config.tie_word_embeddings)
+
+
+def test_greedy_tokens_match_transformers(setup) -> None:
+    _, _, llm, _, prompts, expected = setup
+    results = run(llm, prompts, greedy(NEW_TOKENS))
+    got = token_ids(results)
+    assert all(len(t) == NEW_TOKENS for t in expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} ({len(prompts[i])} tokens) diverges from transformers"
+    assert all(r.outputs[0].finish_reason == "length" for r in results)
+
+
+def test_logits_match_transformers(setup) -> None:
+    """The prefill's last-position logits and every decode step's logits (atol 1e-4)."""
+    _, _, llm, model, prompts, _ = setup
+    with capture_logits(llm) as records:
+        results = run(llm, prompts, greedy(NEW_TOKENS))
+    assert len(records) == len(prompts)
+    assert all(len(rows) == NEW_TOKENS for rows in records.values())
+    # the first row of each request is the prompt's last position
+    for r in results:
+        assert records[(r.request_id, 0)][0][0] == len(r.prompt_token_ids) - 1
+    assert assert_logits_match(model, records, results) == len(prompts) * NEW_TOKENS
+
+
+def test_batch_is_really_batched(setup) -> None:
+    """All prompts share the first step's prefill and later steps are pure decodes."""
+    _, path, _, _, prompts, expected = setup
+    llm = make_llm(path, block_size=BLOCK)  # a cold prefix cache
+    with capture_plans(llm) as plans:
+        results = run(llm, prompts, greedy(NEW_TOKENS))
+    assert token_ids(results) == expected
+    assert plans[0].num_seqs == len(prompts) and plans[0].num_tokens == sum(LENGTHS)
+    assert len(plans) == NEW_TOKENS
+    assert all(p.num_seqs == len(prompts) and p.num_tokens == len(prompts) for p in plans[1:])
+
+
+def test_continuous_batching_matches_transformers(setup) -> None:
+    """At most 3 sequences at a time and block size 8: requests join while others decode
+    (mixed prefill + decode steps) and still give transformers' tokens."""
+    _, path, _, _, prompts, expected = setup
+    llm = make_llm(path, block_size=8, max_num_seqs=3, max_num_batched_tokens=64)
+    with capture_plans(llm) as plans:
+        results = run(llm, prompts, greedy(NEW_TOKENS))
+    assert token_ids(results) == expected
+    mixed = [p for p in plans if p.num_tokens > p.num_seqs and p.num_seqs > 1
+             and min(p.query_start_loc[1:] - p.query_start_loc[:-1]) == 1]
+    assert mixed, "expected steps that mix decodes with a new request's prefill"
+    assert max(p.num_seqs for p in plans) <= 3
+

@@ -1,0 +1,186 @@
+"""Checkpoint loading: the transformers 5 and transformers 4 config formats, sharded
+checkpoints, unused tensors, EOS ids from generation_config.json, and clear errors for a
+missing or mis-shaped tensor."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from coordinator.sampling_params import SamplingParams
+from model.config import ModelConfig
+from tests.checkpoints import make_tiny_checkpoint, to_transformers4_format
+from tests.engine_helpers import (greedy, hf_greedy, hf_model, make_llm, random_prompts, run,
+                                  token_ids)
+
+VOCAB = 512
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([1, 12, 33], VOCAB, seed=41)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def v5_ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(f"{request.param}-v5"), request.param)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_transformers5_and_4_formats_load_alike(v5_ckpt, tmp_path, prompts) -> None:
+    v5 = read_config(v5_ckpt)
+    assert "rope_parameters" in v5 and "rope_theta" not in v5 and "dtype" in v5
+    v4_ckpt = copy_checkpoint(v5_ckpt, tmp_path / "v4")
+    to_transformers4_format(v4_ckpt)
+    v4 = read_config(v4_ckpt)
+    assert "rope_parameters" not in v4 and "rope_theta" in v4 and "torch_dtype" in v4
+    cfg5, cfg4 = ModelConfig.from_dir(v5_ckpt), ModelConfig.from_dir(v4_ckpt)
+    assert cfg4 == cfg5
+    if cfg5.architecture == "llama":
+        assert cfg5.rope_scaling["rope_type"] == "llama3" and cfg5.rope_theta == 500000.0
+    else:
+        assert cfg5.rope_scaling is None and cfg5.rope_theta == 1000000.0
+    tokens5 = token_ids(run(make_llm(v5_ckpt), prompts, greedy(NEW)))
+    tokens4 = token_ids(run(make_llm(v4_ckpt), prompts, greedy(NEW)))
+    assert tokens4 == tokens5 == hf_greedy(hf_model(v5_ckpt), prompts, NEW)
+
+
+def test_transformers4_legacy_rope_scaling_type_key(tmp_path, prompts) -> None:
+    """Old Llama-3 configs spell the scaling kind `type`, not `rope_type`."""
+    src = make_tiny_checkpoint(tmp_path / "v5", "llama")
+    old = copy_checkpoint(src, tmp_path / "old")
+    to_transformers4_format(old)
+    config = read_config(old)
+    config["rope_scaling"]["type"] = config["rope_scaling"].pop("rope_type")
+    (old / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_dir(old).rope_scaling["type"] == "llama3"
+    assert token_ids(run(make_llm(old), prompts, greedy(NEW))) == \
+        token_ids(run(make_llm(src), prompts, greedy(NEW)))
+
+
+def test_sharded_checkpoint_loads(tmp_path, prompts) -> None:
+    sharded = make_tiny_checkpoint(tmp_path / "sharded", "qwen3", sharded=True)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    single = make_tiny_checkpoint(tmp_path / "single", "qwen3")
+    got = token_ids(run(make_llm(sharded), prompts, greedy(NEW)))
+    assert got == token_ids(run(make_llm(single), prompts, greedy(NEW)))
+    assert got == hf_greedy(hf_model(sharded), prompts, NEW)
+
+
+def test_unused_tensors_are_ignored(tmp_path, prompts) -> None:
+    extra = {"score.weight": torch.randn(3, 64), "value_head.bias": torch.randn(1)}
+    with_extra = make_tiny_checkpoint(tmp_path / "extra", "qwen2", extra_tensors=extra)
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen2")
+    assert token_ids(run(make_llm(with_extra), prompts, greedy(NEW))) == \
+        token_ids(run(make_llm(plain), prompts, greedy(NEW)))
+
+
+def test_eos_ids_of_generation_config_stop(tmp_path, prompts) -> None:
+    """Every EOS id of config.json and generation_config.json stops generation, where
+    transformers (which reads the same files) stops too."""
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3")
+    free = token_ids(run(make_llm(src), prompts, greedy(NEW)))
+    i, k = next((i, k) for i, t in enumerate(free) for k in range(3, NEW) if t[k] not in t[:k])
+    eos = free[i][k]
+    ckpt = copy_checkpoint(src, tmp_path / "eos")
+    gen = json.loads((ckpt / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"][0], eos]
+    (ckpt / "generation_config.json").write_text(json.dumps(gen))
+    assert eos in ModelConfig.from_dir(ckpt).eos_token_ids
+    results = run(make_llm(ckpt), prompts, SamplingParams(max_new_tokens=NEW, temperature=0))
+    assert results[i].outputs[0].token_ids == free[i][:k + 1]
+    assert results[i].outputs[0].finish_reason == "stop"
+    reference = hf_model(ckpt, disable_eos=False)
+    for r, prompt in zip(results, prompts):
+        ref = hf_greedy(reference, [prompt], NEW)[0]
+        assert r.outputs[0].token_ids == ref
+
+
+def test_checkpoint_without_tokenizer(tmp_path) -> None:
+    """Token-id prompts work; a text prompt is refused clearly, not tokenized to nothing."""
+    llm = make_llm(make_tiny_checkpoint(tmp_path / "c", "qwen3"))
+    assert llm.tokenizer is None
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["hello"], greedy(4))
+    assert len(run(llm, [[5, 6, 7]], greedy(4))[0].outputs[0].token_ids) == 4
+
+
+# ---- broken checkpoints --------------------------------------------------------------------
+def edit_tensors(path: Path, edit) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def good_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("good"), "qwen2")
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight",
+                                  "model.layers.0.mlp.up_proj.weight",
+                                  "model.layers.0.self_attn.q_proj.bias",
+                                  "model.norm.weight", "lm_head.weight"])
+def test_missing_tensor_is_named(good_ckpt, tmp_path, name) -> None:
+    ckpt = copy_checkpoint(good_ckpt, tmp_path / "broken")
+    edit_tensors(ckpt, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="missing") as info:
+        make_llm(ckpt)
+    assert name in str(info.value)
+
+
+MISSHAPEN = [("model.layers.1.self_attn.v_proj.weight", "fewer columns"),
+             ("model.layers.0.mlp.down_proj.weight", "fewer columns"),
+             ("model.embed_tokens.weight", "fewer columns"),
+             ("model.layers.0.self_attn.k_proj.weight", "extra row"),
+             ("model.layers.1.mlp.gate_proj.weight", "extra row"),
+             ("model.layers.0.self_attn.o_proj.weight", "extra column"),
+             ("model.layers.1.self_attn.q_proj.bias", "extra row"),
+             ("model.layers.1.post_attention_layernorm.weight", "extra row")]
+
+
+@pytest.mark.parametrize("name,change", MISSHAPEN, ids=[f"{n}-{c}" for n, c in MISSHAPEN])
+def test_misshaped_tensor_is_named(good_ckpt, tmp_path, name, change) -> None:
+    """Too small or too large (a larger tensor must not be silently cut to size)."""
+    ckpt = copy_checkpoint(good_ckpt, tmp_path / "broken")
+
+    def reshape(t):
+        w = t[name]
+        if change == "fewer columns":
+            t[name] = w[:, :-1].contiguous()
+        elif change == "extra row":
+            t[name] = torch.cat([w, w[:1]]).contiguous()
+        else:
+            t[name] = torch.cat([w, w[:, :1]], dim=1).contiguous()
+
+    edit_tensors(ckpt, reshape)
+    with pytest.raises(ValueError) as info:
+        make_llm(ckpt)
+    assert name in str(info.value) and "shape" in str(info.value)
+
+
+def test_misshaped_tensor_in_a_sharded_checkpoint_is_named(tmp_path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path / "sharded", "llama", sharded=True)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.gate_proj.weight"
+    shard = ckpt / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name] = torch.zeros(7, 64)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        make_llm(ckpt)
+    assert name in str(info.value) and "shape" in str(info.value)

@@ -1,0 +1,113 @@
+"""Tensor parallelism on CPU with real process groups: torchrun --standalone, gloo, 2 ranks,
+compared with the same requests at TP = 1 (tests/tp_generate.py does the running)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoints import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "tp_generate.py"
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def run_tp(tmp: Path, name: str, spec: dict, nproc: int, **env) -> dict:
+    spec_file, out_file = tmp / f"{name}.spec.json", tmp / f"{name}.tp{nproc}.json"
+    spec_file.write_text(json.dumps(spec))
+    if nproc == 1:
+        cmd = [sys.executable, str(SCRIPT)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(SCRIPT)]
+    proc = subprocess.run(cmd + [str(spec_file), str(out_file)], env=_env(**env), cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out_file.read_text())
+
+
+def compare(tmp: Path, name: str, spec: dict, **env) -> tuple[dict, dict]:
+    one, two = run_tp(tmp, name, spec, 1, **env), run_tp(tmp, name, spec, 2, **env)
+    for res in (one, two):
+        free, total = res["_free_blocks"]
+        assert free == total, "KV blocks leaked"
+    return one, two
+
+
+def _requests(lengths, params, vocab=512, seed=0):
+    import random
+    rng = random.Random(seed)
+    return [{"prompt": [rng.randrange(vocab) for _ in range(n)], "params": params} for n in lengths]
+
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": True,
+          "top_logprobs": 5}
+
+
+def _assert_same_tokens_and_logprobs(one: dict, two: dict, n: int) -> None:
+    for i in range(n):
+        assert one[str(i)]["tokens"] == two[str(i)]["tokens"], f"request {i}"
+        for a, b in zip(one[str(i)]["top_logprobs"], two[str(i)]["top_logprobs"]):
+            assert [t for t, _ in a] == [t for t, _ in b]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp2_greedy_matches_tp1(tmp_path, arch):
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch)
+    reqs = _requests([1, 7, 16, 17, 40, 3], GREEDY)
+    one, two = compare(tmp_path, arch, {"engine": {"model": str(ckpt)}, "requests": reqs})
+    _assert_same_tokens_and_logprobs(one, two, len(reqs))
+
+
+def test_tp2_with_one_kv_head_replicated(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "kv1", "qwen3", num_key_value_heads=1)
+    reqs = _requests([5, 18, 33], GREEDY)
+    one, two = compare(tmp_path, "kv1", {"engine": {"model": str(ckpt)}, "requests": reqs})
+    _assert_same_tokens_and_logprobs(one, two, len(reqs))
+
+
+def test_tp2_custom_outputs_match_and_run_on_rank0_only(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "co", "qwen3")
+    reqs = _requests([6, 20, 33], {"max_new_tokens": 4, "temperature": 0})
+    for r, pos in zip(reqs, (0, 10, None)):
+        if pos is not None:
+            r["custom_output_params"] = {"position": pos}
+    engine = {"model": str(ckpt), "custom_module": "tests.tp_handler:RecordingHead"}
+    logs = {n: tmp_path / f"handler{n}.log" for n in (1, 2)}
+    one = run_tp(tmp_path, "co", {"engine": engine, "requests": reqs}, 1,
+                 TAPSERVE_TEST_HANDLER_LOG=str(logs[1]))
+    two = run_tp(tmp_path, "co", {"engine": engine, "requests": reqs}, 2,
+                 TAPSERVE_TEST_HANDLER_LOG=str(logs[2]))
+    import torch
+    for i in range(len(reqs)):
+        a, b = (bytes.fromhex(r[str(i)]["custom_output"]["data"]) for r in (one, two))
+        ta = torch.frombuffer(bytearray(a), dtype=torch.float32)
+        tb = torch.frombuffer(bytearray(b), dtype=torch.float32)
+        assert ta.shape == (3,) and torch.allclose(ta, tb, atol=1e-4)
+    lines = logs[2].read_text().splitlines()
+    assert lines[0] == "init rank=0" and sum(line.startswith("init") for line in lines) == 1
+    assert all(line.split()[1] == "rank=0" for line in lines if line.startswith("forward"))
+
+
+def test_tp2_prefix_cache_and_preemption_as_tp1(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "pc", "qwen3")
+    shared = _requests([48], GREEDY, seed=3)[0]["prompt"]
+    reqs = [{"prompt": shared + [1, 2], "params": GREEDY}]
+    reqs += [{"prompt": shared + [5, 6, 7], "params": GREEDY}]
+    reqs += _requests([30, 31, 32, 29], {**GREEDY, "max_new_tokens": 40}, seed=4)
+    spec = {"engine": {"model": str(ckpt), "num_kv_blocks": 14, "max_num_batched_tokens": 64},
+            "requests": reqs}
+    one, two = compare(tmp_path, "pc", spec)
+    _assert_same_tokens_and_logprobs(one, two, len(reqs))
+    assert one["_preemptions"] > 0 and one["_preemptions"] == two["_preemptions"]
+    assert [one[str(i)]["cached"] for i in range(len(reqs))] == \
+        [two[str(i)]["cached"] for i in range(len(reqs))]
