@@ -33,7 +33,7 @@ class ApiConfig:
     max_n: int = 16  # per-request cap on n / num_return_sequences / num_beams
     max_tokens: int | None = None  # per-request cap on max_tokens (None: max_model_len)
     max_prompts: int = 1024  # prompts per request (completions list, /custom_output batch)
-    parent_pid: int | None = None  # exit when this process is gone
+    parent_pid: int | None = None  # exit when this process is gone (None: the spawner)
     health_timeout_s: float = 10.0  # /health fails when the engine is silent this long
     engine_timeout_s: float = 300.0  # in-flight requests fail (503) after this much silence
     graceful_timeout_s: float = 5.0  # uvicorn's wait for open connections at exit

@@ -125,11 +125,13 @@ async def _never() -> dict:
 
 
 async def _watchdog(config: ApiConfig, client: EngineClient) -> None:
-    """Exit with the parent; fail in-flight requests when the engine stays silent."""
+    """Exit with the parent (`parent_pid`, default: the process that started this one);
+    fail in-flight requests when the engine stays silent."""
+    parent = config.parent_pid or os.getppid()
     while True:
         await asyncio.sleep(0.5)
-        if config.parent_pid is not None and os.getppid() != config.parent_pid:
-            log.error("parent process %d is gone; stopping", config.parent_pid)
+        if os.getppid() != parent:
+            log.error("parent process %d is gone; stopping", parent)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         last = client.last_message_time

@@ -1,0 +1,100 @@
+"""Life cycle of a 2-rank torchrun group on CPU (gloo), serving for real: heartbeats keep an idle
+pair healthy, a dead rank takes the group down within 30 s, SIGTERM ends every rank."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api_helpers import free_port
+from tests.checkpoints import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TorchrunServer:
+    def __init__(self, model: Path, tmp: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "torchrun.log", "w+")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "launch.py", "--model", str(model), "--device", "cpu", "--port", str(self.port),
+               "--shutdown-timeout", "2", "--custom-module", "none"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                     start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.tail()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("torchrun group not healthy:\n" + self.tail())
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def rank_pid(self, rank: int) -> int:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{pid}/stat").read_text().split()
+            except OSError:
+                continue
+            if int(stat[3]) == self.proc.pid and f"RANK={rank}".encode() in env:
+                return int(pid)
+        raise AssertionError(f"rank {rank} not found")
+
+    def complete(self) -> str:
+        r = httpx.post(self.url + "/v1/completions", timeout=60,
+                       json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 4})
+        return r.status_code, r.json()
+
+    def wait_exit(self, timeout: float) -> tuple[int, float]:
+        start = time.monotonic()
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return rc, time.monotonic() - start
+
+
+@pytest.fixture
+def server(tmp_path):
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True), tmp_path)
+    yield server
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+def test_idle_pair_stays_healthy_then_dead_rank_ends_group(server):
+    status, body = server.complete()
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    time.sleep(4.5)  # several heartbeat periods with no work
+    status, _ = server.complete()
+    assert status == 200 and server.proc.poll() is None
+    os.kill(server.rank_pid(1), signal.SIGKILL)
+    rc, waited = server.wait_exit(30)
+    assert rc != 0 and waited < 30, server.tail()
+
+
+def test_sigterm_ends_every_rank_when_idle(server):
+    ranks = [server.rank_pid(0), server.rank_pid(1)]
+    server.proc.send_signal(signal.SIGTERM)
+    _, waited = server.wait_exit(10)
+    assert waited < 10, server.tail()
+    time.sleep(0.5)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), server.tail()
