@@ -125,7 +125,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             served_model_name=args.served_model_name or (os.path.basename(str(model_dir)) if args.model
                                                          else "tapserve-demo"),
             host=args.host, port=args.port, api_key=args.api_key,
-            max_queued_requests=args.max_queued_requests,
+            max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
             log_requests=args.log_requests)
         loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],

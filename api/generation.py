@@ -42,10 +42,21 @@ class Choice:
     top_logprobs: list[list[list]] = field(default_factory=list)
     finish_reason: str | None = None
     cumulative_logprob: float | None = None
+    custom_output: dict | None = None  # the sequence's own value (LAST_GENERATED)
+    _encoded: dict[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
         return self.detok.text
+
+    def encoded_value(self, encoding: str) -> Any:
+        """The choice's value as sent to clients: its own (LAST_GENERATED) or else its
+        prompt's; None when absent."""
+        if self.custom_output is None:
+            return self.prompt.encoded_value(encoding)
+        if encoding not in self._encoded:
+            self._encoded[encoding] = encode_value(self.custom_output, encoding)
+        return self._encoded[encoding]
 
 
 @dataclass
@@ -155,8 +166,9 @@ class Generation:
         if seq.cumulative_logprob is not None:
             choice.cumulative_logprob = seq.cumulative_logprob
         if choice.detok.stopped:
-            choice.finish_reason = "stop"
+            choice.finish_reason = "stop"  # cut by a stop string: its value (if any) is dropped
         elif seq.finish_reason:
+            choice.custom_output = seq.custom_output
             choice.detok.finish()
             choice.finish_reason = seq.finish_reason
         delta.finish_reason = choice.finish_reason
@@ -202,6 +214,13 @@ class Generation:
             if prompt.first_index <= index < prompt.first_index + prompt.num_choices:
                 return prompt
         raise KeyError(index)
+
+    def choice_value(self, index: int, encoding: str) -> Any:
+        """Client choice `index`'s encoded custom output: its own once it has one, else its
+        prompt's (None when absent)."""
+        prompt = self.prompt_of(index)
+        choice = prompt.choices.get(index - prompt.first_index)
+        return choice.encoded_value(encoding) if choice else prompt.encoded_value(encoding)
 
     def choices(self) -> list[Choice]:
         all_choices = [c for s in self.prompts.values() for c in s.choices.values()]

@@ -171,11 +171,13 @@ class _Answer:
         return out
 
     def _value(self, count: int) -> dict:
-        prompt = next(iter(self.gen.prompts.values()))
-        value = prompt.encoded_value(self.body.custom_output_encoding)
-        if value is None:
+        """Each sequence's value (its own with LAST_GENERATED, else the prompt's); in a list,
+        a sequence without a value (yet) is null; absent when no sequence has one."""
+        encoding = self.body.custom_output_encoding
+        values = [self.gen.choice_value(i, encoding) for i in range(max(count, 1))]
+        if all(v is None for v in values) or (not self.cfg.listed and values[0] is None):
             return {}
-        return {"custom_output": [value] * count if self.cfg.listed else value}
+        return {"custom_output": values[:count] if self.cfg.listed else values[0]}
 
     def _aux(self, c: Choice, choices: list[Choice]) -> dict:
         aux = {"input_len": len(c.prompt.prompt_ids), "output_len": len(c.token_ids),

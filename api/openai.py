@@ -98,7 +98,7 @@ class _Shape:
         else:
             out["text"] = c.text
         out["logprobs"] = lp
-        return {**out, **_extra(c.prompt.encoded_value(self.body.custom_output_encoding))}
+        return {**out, **_extra(c.encoded_value(self.body.custom_output_encoding))}
 
     def chunk_choice(self, d: ChoiceDelta, value: Any) -> dict | None:
         first = d.index not in self.started
@@ -135,8 +135,7 @@ async def _respond(request: Request, state: AppState, generation: Generation, bo
     await state.collect(request, generation)
     all_choices = generation.choices()
     choices = [shape.full_choice(c) for c in all_choices]
-    last = all_choices[-1].prompt.encoded_value(body.custom_output_encoding) \
-        if all_choices else None
+    last = all_choices[-1].encoded_value(body.custom_output_encoding) if all_choices else None
     return JSONResponse({**_envelope(generation, kind, model, created), "choices": choices,
                          "usage": generation.usage(), **_extra(last)})
 
@@ -147,7 +146,7 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
     async for deltas in generation.run():
         events = []
         for d in deltas:
-            value = generation.prompt_of(d.index).encoded_value(body.custom_output_encoding)
+            value = generation.choice_value(d.index, body.custom_output_encoding)
             choice = shape.chunk_choice(d, value)
             if choice is not None:
                 events.append(sse({**head, "choices": [choice], **_extra(value)}))

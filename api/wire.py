@@ -46,6 +46,8 @@ class SequenceOutput:
     new_top_logprobs: list[list[list]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     cumulative_logprob: float | None = None  # beam score (length-penalised) for beams
+    # this sequence's own custom output (LAST_GENERATED), sent with its finish_reason
+    custom_output: dict | None = None
 
 
 @dataclass
@@ -118,7 +120,14 @@ def decode(data: bytes) -> Any:
 
 def _output_body(out: RequestOutput) -> dict:
     body = dict(out.__dict__)
-    body["sequences"] = [dict(s.__dict__) for s in out.sequences]
+    body["sequences"] = [_sequence_body(s) for s in out.sequences]
+    return body
+
+
+def _sequence_body(seq: SequenceOutput) -> dict:
+    body = dict(seq.__dict__)
+    if body["custom_output"] is None:  # absent unless set: the same bytes as before the field
+        del body["custom_output"]
     return body
 
 

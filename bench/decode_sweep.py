@@ -45,6 +45,8 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int) -> float:
         engine.step()
     for _ in range(3):
         engine.step()
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -78,7 +80,11 @@ def main() -> None:
         if need > llm.runner.num_blocks:
             print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
             break
-        t = time_decode(llm, b, args.context, args.steps)
+        try:
+            t = time_decode(llm, b, args.context, args.steps)
+        except RuntimeError as e:
+            print(f"batch {b}: {e}")
+            break
         read = wbytes + b * (args.context + args.steps // 2) * kv_per_token
         rows.append({"batch": b, "context": args.context, "step_ms": round(t * 1e3, 3),
                      "tokens_per_s": round(b / t, 1), "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),

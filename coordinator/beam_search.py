@@ -17,6 +17,8 @@ class Hypothesis:
     score: float  # length-penalised
     token_ids: list[int]  # generated tokens
     finish_reason: str
+    parent: int = -1  # position of its parent among the step's beams
+    custom_output: dict | None = None  # LAST_GENERATED value, once scored
 
 
 @dataclass
@@ -48,7 +50,8 @@ class BeamSearch:
                 if rank < num_beams and state.improvable:
                     tokens = beams[parent].output_token_ids + [token]
                     reason = "stop" if hits_eos else "length"
-                    state.finished.append(Hypothesis(score / gen_len ** p.length_penalty, tokens, reason))
+                    state.finished.append(Hypothesis(score / gen_len ** p.length_penalty, tokens, reason,
+                                                     parent))
             elif len(running) < num_beams:
                 running.append((parent, token, score))
         state.finished = sorted(state.finished, key=lambda h: -h.score)[:num_beams]
@@ -62,4 +65,5 @@ class BeamSearch:
     def final_outputs(request: Request) -> list[SequenceOutput]:
         best = request.beam_state.finished[:request.params.n] if request.beam_state else []
         return [SequenceOutput(index=i, new_token_ids=h.token_ids, finish_reason=h.finish_reason,
-                               cumulative_logprob=h.score) for i, h in enumerate(best)]
+                               cumulative_logprob=h.score, custom_output=h.custom_output)
+                for i, h in enumerate(best)]

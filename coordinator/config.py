@@ -57,6 +57,8 @@ class EngineConfig:
         return path
 
     def torch_device(self, local_rank: int = 0) -> torch.device:
+        if self.device == "cuda":
+            return torch.device(f"cuda:{local_rank}")
         if self.device:
             return torch.device(self.device)
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")

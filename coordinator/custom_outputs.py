@@ -15,6 +15,8 @@ from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadE
                                  check_output, load_handler_class, module_weights_file)
 from model.loader import safetensors_files
 
+LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
+
 
 class RequestError(Exception):
     """A request is refused or failed: code 605 (INVALID_PARAMS) or 606 (EXECUTION_EXCEPTION)."""
@@ -108,9 +110,12 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
         raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
                                                 f"{type(e).__name__}: {e}") from None
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool) \
-            or not -1 <= pos < len(input_ids):
+            or not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
         raise RequestError(INVALID_PARAMS, f"selected position {pos!r} is outside "
-                                           f"[-1, {len(input_ids)})")
+                                           f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)")
+    if pos == LAST_GENERATED and max_new_tokens == 0:
+        raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) generates no token "
+                                           "for LAST_GENERATED (-2) to score")
     if pos == -1 and max_new_tokens == 0:
         raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) but the selector "
                                            "chose no token")

@@ -16,8 +16,8 @@ import torch
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput, SequenceOutput
 from coordinator.beam_search import BeamSearch
 from coordinator.blocks import BlockManager
-from coordinator.custom_outputs import (CustomOutputStats, RequestError, encode_row, run_handler,
-                                        select_position)
+from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
+                                        encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
 from coordinator.planner import PlanRows, build_plan
 from coordinator.sampler import SampleRow, Sampler
@@ -66,7 +66,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.custom_stats = CustomOutputStats()
         self.dispatcher = OutputDispatcher(options.output_workers)
-        self._custom_pending: list[tuple[Request, object]] = []  # (request, Future of its value)
+        self._custom_pending: list[tuple[Sequence, object]] = []  # (sequence, Future of its value)
         self._arrivals = count()
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
 
@@ -164,17 +164,25 @@ class Engine:
         for i, seq in enumerate(seqs):
             rid = seq.request.request_id
             future = self.dispatcher.submit(rid, encode_row, host.row(i), host.dtype)
-            self._custom_pending.append((seq.request, future))
+            self._custom_pending.append((seq, future))
 
     def _collect_custom(self) -> None:
         """Wait for this step's dispatched values (in queue order) before outputs are built."""
         pending, self._custom_pending = self._custom_pending, []
-        for request, future in pending:
+        for seq, future in pending:
             try:
-                request.custom_output = future.result()
+                value = future.result()
             except Exception as e:
-                self._fail(request, EXECUTION_EXCEPTION, f"custom output processor failed: "
-                                                         f"{type(e).__name__}: {e}")
+                self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: "
+                                                             f"{type(e).__name__}: {e}")
+                continue
+            if seq.scoring_reason is None:
+                seq.request.custom_output = value
+            elif not seq.is_finished:  # LAST_GENERATED: scored, now it really finishes
+                seq.custom_output = value
+                if seq.hypothesis is not None:  # a fork scoring a finished beam
+                    seq.hypothesis.custom_output = value
+                self._finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
 
     def close(self) -> None:
         """Stop the output dispatcher's threads (the engine is not used afterwards)."""
@@ -230,8 +238,11 @@ class Engine:
 
     def _apply_beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
         request.forked = True
+        before = {id(h) for h in request.beam_state.finished} if request.beam_state else set()
         running, done = self.beams.step(request, beams, logits, self.options.eos_token_ids,
                                         self.options.max_model_len)
+        if request.custom_position == LAST_GENERATED:
+            self._score_hypotheses(request, beams, before)
         if done:
             for seq in beams:
                 self._finish_seq(seq, "length")
@@ -249,6 +260,16 @@ class Engine:
         for i, (target, token, score) in enumerate(assignments):
             target.index = i
             self._append(target, token, None, None, score=score)
+
+    def _score_hypotheses(self, request: Request, beams: list[Sequence], before: set[int]) -> None:
+        """LAST_GENERATED with beams: each newly finished hypothesis gets a fork of its parent
+        beam (sharing its KV) holding the hypothesis' last token, scored in the next step."""
+        for h in request.beam_state.finished:
+            if id(h) in before:
+                continue
+            fork = self._fork(beams[h.parent], 1, first_index=len(request.sequences))[0]
+            fork.token_ids.append(h.token_ids[-1])
+            fork.scoring_reason, fork.hypothesis = h.finish_reason, h
 
     def _append(self, seq: Sequence, token: int, logprob: float | None, top, score=None) -> None:
         seq.token_ids.append(token)
@@ -277,11 +298,23 @@ class Engine:
     def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True) -> None:
         if seq.is_finished:
             return
+        if reason in ("stop", "length") and self._scores_last_token(seq):
+            seq.scoring_reason = reason  # held back: the next step computes its last token
+            return
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         if not emit:
             seq.request.sequences.remove(seq)
+
+    @staticmethod
+    def _scores_last_token(seq: Sequence) -> bool:
+        """LAST_GENERATED: a finishing sequence (not a beam: beams score their hypotheses)
+        stays running one more step, its last token computed for the handler, no logits."""
+        request = seq.request
+        return (request.custom_position == LAST_GENERATED and request.params.num_beams == 1
+                and seq.scoring_reason is None and seq.num_output_tokens > 0
+                and request.error_code is None)
 
     def _finish_request(self, request: Request, reason: str) -> None:
         self.scheduler.drop_waiting(request)
@@ -319,7 +352,8 @@ class Engine:
             index=seq.index, new_token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
             new_logprobs=seq.logprobs[start:] if want_lp else None,
             new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
-            finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob)
+            finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
+            custom_output=seq.custom_output)
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants()

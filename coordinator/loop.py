@@ -11,6 +11,7 @@ import logging
 import signal
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -46,6 +47,7 @@ class CoordinatorLoop:
         self.outgoing = self.zmq.socket(zmq.PUSH)
         self.outgoing.bind(f"ipc://{settings.ipc_dir}/from_engine")
         self.stop_requested_at: float | None = None
+        self._unsent: deque[bytes] = deque()  # kept in order while the API cannot take them
         self._last_plan = self._last_stats = time.monotonic()
 
     def install_signal_handlers(self) -> None:
@@ -56,6 +58,7 @@ class CoordinatorLoop:
         if self.stop_requested_at is None:
             log.info("signal %s: draining for up to %.0f s", signum, self.settings.shutdown_timeout)
             self.stop_requested_at = time.monotonic()
+            self._send(wire.encode(wire.Shutdown("draining")))
 
     def run(self) -> int:
         """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""
@@ -117,7 +120,17 @@ class CoordinatorLoop:
 
     def _send_outputs(self, outputs: list[wire.RequestOutput]) -> None:
         if outputs:
-            self.outgoing.send(wire.encode(wire.Outputs(outputs)))
+            self._send(wire.encode(wire.Outputs(outputs)))
+
+    def _send(self, data: bytes) -> None:
+        """Never blocks the engine: what the API cannot take now waits, in order."""
+        self._unsent.append(data)
+        while self._unsent:
+            try:
+                self.outgoing.send(self._unsent[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._unsent.popleft()
 
     # ---- housekeeping ------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -126,7 +139,7 @@ class CoordinatorLoop:
             self.channel.send(StepPlan(kind=StepKind.HEARTBEAT))
             self._last_plan = now
         if now - self._last_stats >= STATS_SECONDS:
-            self.outgoing.send(wire.encode(self.stats()))
+            self._send(wire.encode(self.stats()))
             self._last_stats = now
 
     def stats(self) -> wire.EngineStats:

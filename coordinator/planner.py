@@ -24,6 +24,12 @@ def needs_custom_row(seq: Sequence, start: int, n: int) -> bool:
             and start <= req.custom_position < start + n)
 
 
+def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
+    """A finishing LAST_GENERATED sequence whose last token is computed in this step: its row
+    goes to the handler instead of the sampler."""
+    return seq.scoring_reason is not None and start + n == seq.num_tokens
+
+
 def build_plan(batch: ScheduledBatch, block_size: int,
                block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
     kind = _step_kind(batch)
@@ -47,7 +53,10 @@ def build_plan(batch: ScheduledBatch, block_size: int,
         query_start.append(offset + n)
         context_lens.append(start + n)
         tables.append(table)
-        if start + n == seq.num_tokens and seq.request.params.max_new_tokens > 0:
+        if scores_last_token(seq, start, n):
+            custom_rows.append(offset + n - 1)
+            rows.custom_seqs.append(seq)
+        elif start + n == seq.num_tokens and seq.request.params.max_new_tokens > 0:
             logit_rows.append(offset + n - 1)
             rows.logit_seqs.append(seq)
         if needs_custom_row(seq, start, n):
@@ -82,7 +91,10 @@ def _decode_plan(batch: ScheduledBatch, block_size: int,
                  block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
     """The common case, vectorized: every sequence computes its one newest token."""
     seqs = batch.seqs
-    rows = PlanRows(logit_seqs=[s for s in seqs if s.request.params.max_new_tokens > 0])
+    rows = PlanRows(logit_seqs=[s for s in seqs if s.request.params.max_new_tokens > 0
+                                and s.scoring_reason is None])
+    custom_rows = [i for i, s in enumerate(seqs) if s.scoring_reason is not None]
+    rows.custom_seqs = [seqs[i] for i in custom_rows]  # LAST_GENERATED: one more decode row
     ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
     context_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, len(seqs))
     positions = context_lens.astype(np.int64) - 1
@@ -94,6 +106,8 @@ def _decode_plan(batch: ScheduledBatch, block_size: int,
         query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
         block_tables=tables,
         logit_rows=np.arange(len(seqs), dtype=np.int64) if len(rows.logit_seqs) == len(seqs) else
-        np.asarray([i for i, s in enumerate(seqs) if s.request.params.max_new_tokens > 0], np.int64),
+        np.asarray([i for i, s in enumerate(seqs) if s.request.params.max_new_tokens > 0
+                    and s.scoring_reason is None], np.int64),
+        custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
     return plan, rows

@@ -76,7 +76,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq in handled:
                 continue  # preempted earlier in this loop, or scheduled with its beams
-            if seq.request.params.num_beams > 1:
+            if seq.request.params.num_beams > 1 and seq.scoring_reason is None:
                 group = self._group(seq)
                 handled.update(group)
                 if all(self._reserve_block(s, batch) for s in group):
@@ -90,10 +90,11 @@ class Scheduler:
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all
-        beams of a beam-search request; a sample of n > 1 goes alone."""
-        if seq.request.params.num_beams == 1:
+        beams of a beam-search request; a sample of n > 1 goes alone, and so does a sequence
+        scoring its last token (LAST_GENERATED; for beams, a fork scoring a finished beam)."""
+        if seq.request.params.num_beams == 1 or seq.scoring_reason is not None:
             return [seq]
-        return [s for s in self.running if s.request is seq.request]
+        return [s for s in self.running if s.request is seq.request and s.scoring_reason is None]
 
     def _reserve_block(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Ensure seq has a slot for its newest token, preempting the most recently arrived
@@ -128,7 +129,10 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = [s for s in request.live_sequences if s.status is SeqStatus.WAITING]
-            if request.params.num_beams == 1:
+            scoring = [s for s in seqs if s.scoring_reason is not None]
+            if scoring:  # preempted while scoring its last token: alone, before the rest
+                seqs = scoring[:1]
+            elif request.params.num_beams == 1:
                 seqs = seqs[:1]  # samples of n > 1 are independent: admitted one at a time
             if len(self.running) + len(seqs) > self.config.max_num_seqs:
                 break

@@ -34,6 +34,11 @@ class Sequence:
     top_logprobs: list[list[list]] = field(default_factory=list)
     finish_reason: str | None = None
     num_emitted_tokens: int = 0  # output tokens already sent to the client
+    # LAST_GENERATED: the finish reason held back while the last token is scored (it runs one
+    # more step, computing that token with no logits), then its value {"dtype", "shape", "data"}
+    scoring_reason: str | None = None
+    custom_output: dict | None = None
+    hypothesis: object | None = None  # beam search: the finished Hypothesis this fork scores
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +63,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int
-    custom_position: int = -1  # selected prompt token, -1: none
+    custom_position: int = -1  # selected prompt token, -1: none, -2: last generated (per sequence)
     reuse_cap_tokens: int | None = None  # prefix reuse must stop below this many tokens
     custom_output: dict | None = None  # {"dtype", "shape", "data"} once computed
     custom_output_skipped: bool = False  # selected token came from the prefix cache (omit)

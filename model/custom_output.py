@@ -22,11 +22,12 @@ class CustomOutputHandler:
     """Base class for deployment heads run on one selected prompt token per request."""
 
     NO_OUTPUT = -1
-    LAST_GENERATED = -2  # reserved: scoring the last generated token (not yet supported)
+    LAST_GENERATED = -2  # score each sequence's last generated token when it finishes
 
     def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
         """Once per request on rank 0, after tokenization / chat templating. Zero-based index
-        into input_ids, or -1 for no custom output. Raise ValueError for bad params (605)."""
+        into input_ids, -1 for no custom output, or -2 (LAST_GENERATED) for each sequence's
+        last generated token. Raise ValueError for bad params (605)."""
         return len(input_ids) - 1
 
     def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from model.attention import AttentionMetadata, reference_attention, store_kv
 from model.config import ModelConfig
 from model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                           RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
-from model.rotary import RotaryEmbedding
+from model.rotary import RotaryEmbedding, rotary_with_qk_norm
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -57,8 +57,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(ctx.positions, q, k)
+            q, k = rotary_with_qk_norm(self.rotary, ctx.positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary(ctx.positions, q, k)
         k_cache, v_cache = ctx.kv_caches[layer]
         self.backend.store(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
         attend = self.backend.decode if ctx.attn.is_decode else self.backend.extend

@@ -5,6 +5,7 @@ rank's slice of a full checkpoint tensor. With tp_size = 1 the slice is the whol
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +179,23 @@ class ParallelLMHead(VocabParallelEmbedding):
         return None if logits is None else logits[..., : self.vocab_size]
 
 
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        return False
+
+
+HAS_TRITON = _find_triton()  # constant after import: Triton hot-path kernels for CUDA tensors
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton hot-path kernels handle x (CUDA, a supported dtype); CPU tensors
+    always take the plain torch code."""
+    return x.is_cuda and HAS_TRITON and x.dtype in _KERNEL_DTYPES
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -186,7 +204,14 @@ class RMSNorm(nn.Module):
         _set_weight_loader(self.weight, _replicated_loader)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Plain norm, or (with residual) fused add + norm returning (normed, new residual)."""
+        """Plain norm, or (with residual) fused add + norm returning (normed, new residual).
+        CUDA: one Triton kernel (model/kernels/norm.py, same math); CPU: the torch code."""
+        if use_triton(x) and (residual is None or (residual.dtype == x.dtype
+                                                   and residual.shape == x.shape)):
+            from model.kernels.norm import fused_add_rms_norm, rms_norm
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -199,6 +224,9 @@ class RMSNorm(nn.Module):
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from model.kernels.activation import silu_and_mul
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from model.layers import use_triton
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -43,12 +45,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if _kernel_ok(q, k):
+            from model.kernels.rotary import apply_rotary
+            return apply_rotary(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+def _kernel_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The Triton rotary kernel takes CUDA q/k of one dtype with a power-of-two head_dim."""
+    d = q.shape[-1]
+    return use_triton(q) and k.dtype == q.dtype and d >= 2 and d & (d - 1) == 0
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rotary_with_qk_norm(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module):
+    """Qwen3: per-head RMSNorm of q and k, then RoPE. CUDA: one fused Triton kernel when the
+    norm weights share q's dtype; otherwise (and always on CPU) q_norm, k_norm, rotary."""
+    if (_kernel_ok(q, k) and q_norm.weight.dtype == q.dtype
+            and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps):
+        from model.kernels.rotary import qk_norm_rotary
+        return qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos,
+                              rotary.sin, positions)
+    return rotary(positions, q_norm(q), k_norm(k))

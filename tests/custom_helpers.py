@@ -237,7 +237,8 @@ def make_llm(ckpt: Path, custom_module: str | None = "tests.custom_helpers:Probe
                   num_kv_blocks=96, max_num_batched_tokens=32, max_model_len=256,
                   custom_module=custom_module)
     kwargs.update(overrides)
-    return LLM(EngineConfig(**kwargs))
+    from tests.invariants import watch_steps  # block-accounting invariants after every step
+    return watch_steps(LLM(EngineConfig(**kwargs)))
 
 
 @dataclass
@@ -313,6 +314,8 @@ def assert_no_leaks(llm: LLM) -> None:
     assert not engine.requests, f"requests left: {list(engine.requests)}"
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     engine.check_invariants()
+    from tests.invariants import check_engine
+    check_engine(engine)
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 from coordinator.config import EngineConfig
 from coordinator.offline import GenerationResult, LLM
 from coordinator.sampling_params import SamplingParams
+from tests.invariants import check_engine, watch_steps
 
 # The transformers major version whose generate() semantics (beam search, padding) these
 # tests were written against; see require_transformers_major().
@@ -30,6 +31,9 @@ def make_llm(model_dir: str | Path, **overrides) -> LLM:
 
 
 def track(llm: LLM) -> LLM:
+    """Watch llm: the block-accounting invariants (tests/invariants.py) after every engine
+    step, and the no-leak check after the test."""
+    watch_steps(llm)
     _TRACKED.add(llm)
     return llm
 
@@ -49,6 +53,7 @@ def check_tracked_engines() -> None:
         else:
             try:
                 engine.check_invariants()
+                check_engine(engine)
             except AssertionError as e:
                 found.append(f"engine invariants broken: {e}")
         if found:

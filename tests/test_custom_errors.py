@@ -61,7 +61,7 @@ def test_params_must_be_an_object(llm) -> None:
     assert_refused(r, "list", INVALID_PARAMS, llm)
 
 
-@pytest.mark.parametrize("position", ["len", -2, -7, 3.5, True, "3"])
+@pytest.mark.parametrize("position", ["len", -3, -7, 3.5, True, "3"])
 def test_out_of_range_or_non_integer_position_is_605(llm, position) -> None:
     ids = prompt(10, 20)
     pos = len(ids) if position == "len" else position

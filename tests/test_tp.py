@@ -111,3 +111,25 @@ def test_tp2_prefix_cache_and_preemption_as_tp1(tmp_path):
     assert one["_preemptions"] > 0 and one["_preemptions"] == two["_preemptions"]
     assert [one[str(i)]["cached"] for i in range(len(reqs))] == \
         [two[str(i)]["cached"] for i in range(len(reqs))]
+
+
+def test_tp_sweep_runs_on_cpu(tmp_path):
+    """bench/tp_sweep.py end to end at TP 1 and 2 on gloo: table, JSON and PNG written."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+        "tie_word_embeddings": True, "eos_token_id": 2, "torch_dtype": "float32"}))
+    out = tmp_path / "sweep" / "tp"
+    proc = subprocess.run(
+        [sys.executable, "bench/tp_sweep.py", "--model-config", str(cfg), "--device", "cpu",
+         "--tp", "1,2", "--num-seqs", "3", "--max-len", "110", "--context", "32",
+         "--steps", "4", "--max-model-len", "256", "--out", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["tp"] for r in rows] == [1, 2]
+    assert all(r["batch1_tokens_per_s"] > 0 and r["throughput_tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["kv_gib_per_rank"] <= rows[0]["kv_gib_per_rank"]
+    assert out.with_suffix(".png").stat().st_size > 1000

@@ -21,8 +21,10 @@ from ranks.worker import run_worker  # noqa: E402
 def main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     config = EngineConfig(**spec["engine"])
-    ctx = init_distributed("cpu")
-    runner = build_runner(config, ctx.tp, torch.device("cpu"), ctx.min_across_ranks)
+    device_type = torch.device(config.device or "cpu").type
+    ctx = init_distributed(device_type)
+    runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank) if device_type == "cuda"
+                          else torch.device("cpu"), ctx.min_across_ranks)
     channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
     if not ctx.is_driver:
         run_worker(runner, channel)

@@ -9,6 +9,11 @@ Exports (loaded lazily, so `import model.kernels` works without Triton installed
   make_decode_workspace(max_batch, num_heads, head_dim, num_kv_splits, device)
   num_kv_splits_for(max_model_len) -> int
   triton_available(device=None) -> bool
+  rms_norm(x, weight, eps, out=None) -> normed                       (norm.py)
+  fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)
+  apply_rotary(q, k, cos, sin, positions) -> (q_rot, k_rot)          (rotary.py, new tensors)
+  qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions) -> (q_rot, k_rot)
+  silu_and_mul(x, out=None) -> silu(x[..., :I]) * x[..., I:]         (activation.py)
 
 The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is first imported).
@@ -29,6 +34,11 @@ _LAZY = {
     "DEFAULT_NUM_KV_SPLITS": "decode",
     "extend_attention": "extend",
     "store_kv_cache": "store",
+    "rms_norm": "norm",
+    "fused_add_rms_norm": "norm",
+    "apply_rotary": "rotary",
+    "qk_norm_rotary": "rotary",
+    "silu_and_mul": "activation",
 }
 
 __all__ = [*_LAZY, "triton_available"]

@@ -1,0 +1,115 @@
+"""One TP degree of bench/tp_sweep.py, run under torchrun: every rank builds its shard; rank 0
+drives the engine and writes the figures (batch-1 decode, TTFT, nano-vllm-style throughput,
+KV memory per rank) to --json."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.offline import config_dir, workload  # noqa: E402
+from coordinator.config import EngineConfig, build_engine, build_runner  # noqa: E402
+from coordinator.sampling_params import SamplingParams  # noqa: E402
+from ranks.group import PlanChannel, init_distributed, shutdown_distributed  # noqa: E402
+from ranks.plan import StepKind, StepPlan  # noqa: E402
+from ranks.worker import run_worker  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drain(engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def batch1_decode_ms(engine, device, context: int, steps: int) -> float:
+    engine.add_request("b1", [i % 1000 + 1 for i in range(context)],
+                       SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    elapsed = (time.perf_counter() - start) / steps
+    drain(engine)
+    return elapsed * 1e3
+
+
+def ttft_ms(engine, device, prompt_len: int) -> float:
+    sync(device)
+    start = time.perf_counter()
+    engine.add_request("ttft", [i % 997 + 2 for i in range(prompt_len)],
+                       SamplingParams(max_new_tokens=1, temperature=0))
+    engine.step()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    drain(engine)
+    return elapsed * 1e3
+
+
+def throughput(engine, device, num_seqs: int, max_len: int) -> float:
+    prompts, params = workload(num_seqs, max_len, max_len)
+    vocab = engine.options.vocab_size
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"w{i}", [t % vocab for t in p], sp)
+    sync(device)
+    start = time.perf_counter()
+    drain(engine)
+    sync(device)
+    return sum(sp.max_new_tokens for sp in params) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-config", required=True)
+    p.add_argument("--device", default=None)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--json", required=True)
+    args = p.parse_args()
+    config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
+                          device=args.device, max_model_len=args.max_model_len,
+                          enable_prefix_caching=False)
+    device_type = torch.device(args.device).type if args.device else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = init_distributed(device_type)
+    device = config.torch_device(ctx.local_rank)
+    runner = build_runner(config, ctx.tp, device, ctx.min_across_ranks)
+    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    if not ctx.is_driver:
+        run_worker(runner, channel)
+        shutdown_distributed()
+        return
+    engine = build_engine(config, runner, channel.send if channel else (lambda plan: None))
+    ttft_ms(engine, device, 16)  # warm-up
+    figures = {
+        "tp": ctx.world_size,
+        "batch1_decode_ms": round(batch1_decode_ms(engine, device, args.context, args.steps), 3),
+        "ttft_prompt_tokens": min(1024, args.max_model_len // 2),
+        "ttft_ms": round(ttft_ms(engine, device, min(1024, args.max_model_len // 2)), 2),
+        "throughput_tokens_per_s": round(throughput(engine, device, args.num_seqs, args.max_len), 1),
+        "kv_gib_per_rank": round(runner.num_blocks * runner.block_bytes() / 2**30, 2),
+        "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in runner.model.parameters()),
+    }
+    if channel:
+        channel.send(StepPlan(kind=StepKind.STOP))
+    Path(args.json).write_text(json.dumps(figures))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

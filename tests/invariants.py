@@ -1,0 +1,113 @@
+"""The complete block-accounting invariant of a live engine, and a per-step watch (test only).
+
+`check_engine(engine)` checks, at any point between steps:
+
+- partition: every block is exactly one of used (ref_count > 0), cached (ref_count 0, still
+  registered in the prefix cache) or free (ref_count 0, no cache entry):
+  free + used + cached == total, and the allocator's free list is exactly cached + free;
+- reference counts: each block's ref_count equals the number of references to it from the
+  block tables of live sequences (of requests the engine still holds); finished and
+  waiting (preempted) sequences hold no block; no table names a block twice;
+- the prefix cache maps each hash to a block carrying that hash, one block per hash;
+- scheduler: every running sequence is live, RUNNING, of a request the engine holds, and
+  listed once; its computed tokens fit its blocks.
+
+`watch_steps(llm_or_engine)` makes the engine run `check_engine` after every `step()`. It
+swaps the instance's class for a subclass (no cost in production: only tests call it), so
+helpers that patch `engine.step` on the instance and `del` it later keep working.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from coordinator.engine import Engine
+from coordinator.sequence import SeqStatus
+
+
+def block_counts(engine: Engine) -> dict[str, int]:
+    bm = engine.blocks
+    cached_ids = set(bm.cached.values())
+    used = sum(1 for b in bm.blocks if b.ref_count > 0)
+    cached = sum(1 for b in bm.blocks if b.ref_count == 0 and b.block_id in cached_ids)
+    free = sum(1 for b in bm.blocks if b.ref_count == 0 and b.block_id not in cached_ids)
+    return {"free": free, "used": used, "cached": cached, "total": bm.num_blocks}
+
+
+def check_engine(engine: Engine) -> None:
+    bm = engine.blocks
+    n = bm.num_blocks
+    assert len(bm.blocks) == n and all(b.block_id == i for i, b in enumerate(bm.blocks))
+
+    # partition: free + used + cached == total
+    counts = block_counts(engine)
+    assert counts["free"] + counts["used"] + counts["cached"] == n, counts
+    assert all(b.ref_count >= 0 for b in bm.blocks), "negative ref count"
+    zero = {b.block_id for b in bm.blocks if b.ref_count == 0}
+    assert set(bm.free) == zero, (f"free list != blocks with ref 0: only listed "
+                                  f"{sorted(set(bm.free) - zero)[:8]}, missing "
+                                  f"{sorted(zero - set(bm.free))[:8]}")
+    assert len(bm.free) == counts["free"] + counts["cached"]
+
+    # prefix cache: hash -> a block carrying that hash, one block per hash
+    assert len(set(bm.cached.values())) == len(bm.cached), "a block is cached under two hashes"
+    for h, block_id in bm.cached.items():
+        assert 0 <= block_id < n and bm.blocks[block_id].hash == h, f"cache entry {h} -> {block_id}"
+        assert len(bm.blocks[block_id].token_ids) == bm.block_size, f"cached block {block_id} not full"
+
+    # reference counts == references from live sequences' block tables
+    refs: Counter[int] = Counter()
+    for rid, request in engine.requests.items():
+        assert request.request_id == rid
+        for seq in request.sequences:
+            table = seq.block_table
+            if seq.is_finished or seq.status is SeqStatus.WAITING:
+                assert not table, (f"{seq.status.value} sequence {rid}/{seq.index} still holds "
+                                   f"blocks {table}")
+                continue
+            assert len(set(table)) == len(table), f"{rid}/{seq.index} names a block twice: {table}"
+            assert all(0 <= b < n for b in table), f"{rid}/{seq.index}: block id out of range"
+            assert seq.num_computed_tokens <= len(table) * bm.block_size, \
+                f"{rid}/{seq.index}: {seq.num_computed_tokens} computed tokens in {len(table)} blocks"
+            refs.update(table)
+    wrong = [(b.block_id, b.ref_count, refs.get(b.block_id, 0)) for b in bm.blocks
+             if b.ref_count != refs.get(b.block_id, 0)]
+    assert not wrong, f"(block, ref_count, live references) mismatch: {wrong[:8]}"
+
+    # scheduler state
+    running = engine.scheduler.running
+    assert len(set(map(id, running))) == len(running), "a sequence is running twice"
+    for seq in running:
+        rid = seq.request.request_id
+        assert engine.requests.get(rid) is seq.request, f"running sequence of unknown request {rid}"
+        assert seq.status is SeqStatus.RUNNING, f"{rid}/{seq.index} in running with {seq.status}"
+    live_running = {id(s) for r in engine.requests.values() for s in r.sequences
+                    if s.status is SeqStatus.RUNNING}
+    assert live_running == set(map(id, running)), "RUNNING sequences missing from the scheduler"
+    for request in engine.scheduler.waiting:
+        assert engine.requests.get(request.request_id) is request, \
+            f"waiting request {request.request_id} unknown to the engine"
+
+
+_CHECKED: dict[type, type] = {}
+
+
+def _checked_class(cls: type) -> type:
+    if getattr(cls, "_invariants_watched", False):
+        return cls
+    if cls not in _CHECKED:
+        def step(self, *args, **kwargs):
+            outputs = cls.step(self, *args, **kwargs)
+            self.steps_checked = getattr(self, "steps_checked", 0) + 1
+            check_engine(self)
+            return outputs
+        _CHECKED[cls] = type(f"Checked{cls.__name__}", (cls,),
+                             {"step": step, "_invariants_watched": True, "__module__": __name__})
+    return _CHECKED[cls]
+
+
+def watch_steps(target):
+    """Check the invariants after every step of an Engine (or of an LLM's engine); returns
+    its argument."""
+    engine = getattr(target, "engine", target)
+    engine.__class__ = _checked_class(type(engine))
+    return target

@@ -1,0 +1,50 @@
+"""Multi-GPU tensor parallelism (issue 7): NCCL with NVLink multicast off, float32 tiny
+checkpoints: TP2 greedy tokens == TP1 (eager and CUDA graphs with the all-reduce inside),
+custom outputs equal and computed on rank 0 only. Skipped without 2 GPUs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import make_tiny_checkpoint
+from tests.test_tp import GREEDY, _assert_same_tokens_and_logprobs, _requests, run_tp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1", "NVIDIA_TF32_OVERRIDE": "0"}
+
+
+@pytest.mark.parametrize("arch,kv_heads,eager", [("qwen3", 2, True), ("qwen3", 2, False),
+                                                 ("llama", 2, False), ("qwen3", 1, False)])
+def test_gpu_tp2_greedy_matches_tp1(tmp_path, arch, kv_heads, eager):
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch, num_key_value_heads=kv_heads)
+    spec = {"engine": {"model": str(ckpt), "device": "cuda", "dtype": "float32",
+                       "enforce_eager": eager, "max_num_seqs": 16, "max_model_len": 256},
+            "requests": _requests([1, 7, 16, 17, 40, 3], GREEDY)}
+    one = run_tp(tmp_path, "g", spec, 1, **NVLS_OFF)
+    two = run_tp(tmp_path, "g", spec, 2, **NVLS_OFF)
+    _assert_same_tokens_and_logprobs(one, two, len(spec["requests"]))
+    assert two["_free_blocks"][0] == two["_free_blocks"][1]
+
+
+def test_gpu_tp2_custom_outputs(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "co", "qwen3")
+    reqs = _requests([6, 20, 33], {"max_new_tokens": 4, "temperature": 0})
+    reqs[0]["custom_output_params"] = {"position": 0}
+    engine = {"model": str(ckpt), "device": "cuda", "dtype": "float32",
+              "custom_module": "tests.tp_handler:RecordingHead", "max_num_seqs": 8,
+              "max_model_len": 256}
+    logs = {n: tmp_path / f"h{n}.log" for n in (1, 2)}
+    one = run_tp(tmp_path, "co", {"engine": engine, "requests": reqs}, 1,
+                 TAPSERVE_TEST_HANDLER_LOG=str(logs[1]), **NVLS_OFF)
+    two = run_tp(tmp_path, "co", {"engine": engine, "requests": reqs}, 2,
+                 TAPSERVE_TEST_HANDLER_LOG=str(logs[2]), **NVLS_OFF)
+    for i in range(len(reqs)):
+        a, b = (torch.frombuffer(bytearray(bytes.fromhex(r[str(i)]["custom_output"]["data"])),
+                                 dtype=torch.float32) for r in (one, two))
+        assert torch.allclose(a, b, atol=1e-4)
+    lines = logs[2].read_text().splitlines()
+    assert [ln for ln in lines if ln.startswith("init")] == ["init rank=0"]
+    assert all("rank=0" in ln for ln in lines)
