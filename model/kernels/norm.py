@@ -75,7 +75,7 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     return t, lead[0] * inner, inner, t.stride(0), t.stride(1)
 
 
-def _launch_cfg(n_cols: int, elem_size: int) -> tuple[int, int, int]:
+def _launch_cfg(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_N, ROWS, num_warps): one row per program for wide rows (hidden size), several
     short rows (per-head q/k norm) per program so each program moves a few KB."""
     block_n = triton.next_power_of_2(n_cols)
@@ -106,7 +106,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
     if n_rows == 0:
         return
     w = weight if weight.stride(0) == 1 else weight.contiguous()
-    block_n, rows, num_warps = _launch_cfg(n_cols, x.element_size())
+    block_n, rows, num_warps = _launch_cfg(n_cols)
     grid = (triton.cdiv(n_rows, rows),)
     _rms_norm_kernel[grid](
         xs, rs, w, os_, ros,
