@@ -67,9 +67,10 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotary_with_qk_norm(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
                         k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module):
-    """Qwen3: per-head RMSNorm of q and k, then RoPE. CUDA: one fused Triton kernel when the
-    norm weights share q's dtype; otherwise (and always on CPU) q_norm, k_norm, rotary."""
-    if (_kernel_ok(q, k) and q_norm.weight.dtype == q.dtype
+    """Qwen3: per-head RMSNorm of q and k, then RoPE. CUDA: one fused Triton kernel (bf16, fp32)
+    when the norm weights share q's dtype; otherwise (and always on CPU) q_norm, k_norm, rotary.
+    fp16 keeps the unfused kernels: their two roundings are what the fp16 checks pin down."""
+    if (_kernel_ok(q, k) and q.dtype != torch.float16 and q_norm.weight.dtype == q.dtype
             and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps):
         from model.kernels.rotary import qk_norm_rotary
         return qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos,
