@@ -166,12 +166,18 @@ class EngineClient:
 
     def submit(self, requests: list[wire.AddRequest]) -> RequestGroup:
         """Send the requests (one HTTP request's prompts) and return their group."""
+        for r in requests:
+            r.arrival_time = r.arrival_time or time.time()
+        try:  # e.g. an integer beyond 64 bits in custom_output_params or the seed
+            payloads = [wire.encode(r) for r in requests]
+        except (OverflowError, ValueError, TypeError) as e:
+            from api.errors import invalid
+            raise invalid(f"request cannot be encoded: {e}") from e
         group = RequestGroup(self, [r.request_id for r in requests])
         for r in requests:
             self._routes[r.request_id] = group
-        for r in requests:
-            r.arrival_time = r.arrival_time or time.time()
-            self._push.send(wire.encode(r), zmq.NOBLOCK)
+        for data in payloads:
+            self._push.send(data, zmq.NOBLOCK)
         return group
 
     def abort(self, request_id: str) -> None:
@@ -186,7 +192,7 @@ class EngineClient:
                 del self._routes[rid]
 
     def fail_all(self, error: EngineError) -> None:
-        for group in set(self._routes.values()):
+        for group in {id(g): g for g in self._routes.values()}.values():  # groups are unhashable
             group.queue.put_nowait(error)
         self._routes.clear()
 

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.api_helpers import LiveServer, metric, wait_for  # noqa: E402
+from tests.proc_helpers import api_pid, rss_kib  # noqa: E402
 
 API_KEY = "load-test-key"
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -45,34 +46,6 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 
 
 # ---- processes ------------------------------------------------------------------------------
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def api_pid(rank0: int) -> int:
-    for pid in children(rank0):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"api.server" in cmd:
-            return pid
-    raise RuntimeError(f"API process of {rank0} not found")
-
-
 def rss(pids: dict[str, int]) -> dict[str, int]:
     return {name: rss_kib(pid) for name, pid in pids.items()}
 
@@ -172,7 +145,10 @@ async def send(client: httpx.AsyncClient, spec: dict) -> str | None:
 
 async def drive(server: LiveServer, specs: list[dict], concurrency: int) -> list[str | None]:
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    # keep-alive expiry below uvicorn's 5 s timeout_keep_alive: otherwise a pooled connection the
+    # server is just closing can be reused (the client then sees a ReadError, see docs)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency,
+                          keepalive_expiry=2.0)
 
     async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=1800,
                                  limits=limits) as client:

@@ -83,6 +83,7 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_fresh())
+        seq.block_table_version += 1
         num_cached = len(hits) * self.block_size
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching:
@@ -101,15 +102,18 @@ class BlockManager:
             src, dst = seq.block_table[i], self._take_fresh()
             self.blocks[src].ref_count -= 1  # still >= 1: the other sharers keep it
             seq.block_table[i] = dst
+            seq.block_table_version += 1
             copy = (src, dst)
         if self._needs_new_block(seq):
             seq.block_table.append(self._take_fresh())
+            seq.block_table_version += 1
         return copy
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child. A partly filled last block is copied
         only when one of them writes into it (append_slot), so a fork allocates nothing."""
         child.block_table = list(parent.block_table)
+        child.block_table_version += 1
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
 
@@ -121,6 +125,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
+        seq.block_table_version += 1
         seq.num_hashed_blocks = 0
 
     def register_computed(self, seq: Sequence) -> None:

@@ -47,6 +47,7 @@ class CoordinatorLoop:
         self.outgoing = self.zmq.socket(zmq.PUSH)
         self.outgoing.bind(f"ipc://{settings.ipc_dir}/from_engine")
         self.stop_requested_at: float | None = None
+        self._drain_announced = False
         self._unsent: deque[bytes] = deque()  # kept in order while the API cannot take them
         self._last_plan = self._last_stats = time.monotonic()
 
@@ -57,8 +58,7 @@ class CoordinatorLoop:
     def _on_signal(self, signum, frame) -> None:
         if self.stop_requested_at is None:
             log.info("signal %s: draining for up to %.0f s", signum, self.settings.shutdown_timeout)
-            self.stop_requested_at = time.monotonic()
-            self._send(wire.encode(wire.Shutdown("draining")))
+            self.stop_requested_at = time.monotonic()  # the loop announces it (not re-entrant here)
 
     def run(self) -> int:
         """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""
@@ -68,8 +68,10 @@ class CoordinatorLoop:
                     log.error("API process exited with %s; stopping", self.api_process.returncode)
                     return 1
                 self._receive(block=not self.engine.has_work())
-                if self.stop_requested_at is not None and self._drained():
-                    return 0
+                if self.stop_requested_at is not None:
+                    self._announce_drain()
+                    if self._drained():
+                        return 0
                 if self.engine.has_work():
                     self._send_outputs(self.engine.step())
                     self._last_plan = time.monotonic()
@@ -152,6 +154,11 @@ class CoordinatorLoop:
             prefix_cache_hits=e.blocks.stats.hit_tokens,
             custom_output_calls=e.custom_stats.calls, custom_output_errors=e.custom_stats.errors)
 
+    def _announce_drain(self) -> None:
+        if not self._drain_announced:
+            self._send(wire.encode(wire.Shutdown("draining")))
+            self._drain_announced = True
+
     def _drained(self) -> bool:
         if not self.engine.requests:
             return True
@@ -164,21 +171,30 @@ class CoordinatorLoop:
         return True
 
     def _stop(self) -> None:
-        try:
-            self.outgoing.send(wire.encode(wire.Shutdown("engine stopped")), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self._flush_to_api(wire.encode(wire.Shutdown("engine stopped")))
         if self.channel is not None:
             try:
                 self.channel.send(StepPlan(kind=StepKind.STOP))
             except RuntimeError:
                 pass  # a peer is already gone
         if self.api_process is not None and self.api_process.poll() is None:
-            self.api_process.terminate()
+            self.api_process.terminate()  # uvicorn finishes the responses it has data for
             try:
-                self.api_process.wait(5)
+                self.api_process.wait(10)
             except subprocess.TimeoutExpired:
                 self.api_process.kill()
         self.incoming.close(0)
-        self.outgoing.close(0)
         self.zmq.term()
+
+    def _flush_to_api(self, last: bytes, timeout_ms: int = 2000) -> None:
+        """Hand every pending message (the drain's final answers included) to the API process
+        before it is asked to stop, waiting at most timeout_ms if it is alive."""
+        self._unsent.append(last)
+        alive = self.api_process is None or self.api_process.poll() is None
+        self.outgoing.setsockopt(zmq.SNDTIMEO, timeout_ms if alive else 0)
+        try:
+            while self._unsent:
+                self.outgoing.send(self._unsent.popleft())
+        except zmq.Again:
+            pass
+        self.outgoing.close(linger=timeout_ms if alive else 0)  # delivered, not dropped

@@ -40,7 +40,6 @@ def build_plan(batch: ScheduledBatch, block_size: int,
     slots: list[int] = []
     query_start = [0]
     context_lens: list[int] = []
-    tables: list[list[int]] = []
     logit_rows: list[int] = []
     custom_rows: list[int] = []
     rows = PlanRows()
@@ -52,7 +51,6 @@ def build_plan(batch: ScheduledBatch, block_size: int,
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         query_start.append(offset + n)
         context_lens.append(start + n)
-        tables.append(table)
         if scores_last_token(seq, start, n):
             custom_rows.append(offset + n - 1)
             rows.custom_seqs.append(seq)
@@ -66,7 +64,7 @@ def build_plan(batch: ScheduledBatch, block_size: int,
         kind=kind,
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
-        context_lens=np.asarray(context_lens, np.int32), block_tables=_block_tables(tables),
+        context_lens=np.asarray(context_lens, np.int32), block_tables=_block_tables(batch.seqs),
         logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
     return plan, rows
@@ -80,10 +78,26 @@ def _step_kind(batch: ScheduledBatch) -> StepKind:
     return StepKind.MIXED if any(decoding) else StepKind.PREFILL
 
 
-def _block_tables(tables: list[list[int]]) -> np.ndarray:
-    out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), np.int32)
-    for i, t in enumerate(tables):
-        out[i, :len(t)] = t
+@dataclass
+class _TableCache:
+    """A sequence's block table as numpy, rebuilt only when the block manager changed it."""
+    version: int
+    array: np.ndarray
+
+
+def _table_array(seq: Sequence) -> np.ndarray:
+    cache = seq.table_cache
+    if cache is None or cache.version != seq.block_table_version:
+        cache = seq.table_cache = _TableCache(seq.block_table_version,
+                                              np.asarray(seq.block_table, np.int32))
+    return cache.array
+
+
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    arrays = [_table_array(s) for s in seqs]
+    out = np.zeros((len(arrays), max((len(a) for a in arrays), default=0)), np.int32)
+    for i, a in enumerate(arrays):
+        out[i, :len(a)] = a
     return out
 
 
@@ -98,7 +112,7 @@ def _decode_plan(batch: ScheduledBatch, block_size: int,
     ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
     context_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, len(seqs))
     positions = context_lens.astype(np.int64) - 1
-    tables = _block_tables([s.block_table for s in seqs])
+    tables = _block_tables(seqs)
     blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
     plan = StepPlan(
         kind=StepKind.DECODE, input_ids=ids, positions=positions,

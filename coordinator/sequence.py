@@ -27,6 +27,8 @@ class Sequence:
     index: int = 0  # which of the request's n samples / beams
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
+    block_table_version: int = 0  # bumped by the block manager on every change of block_table
+    table_cache: object | None = field(default=None, repr=False)  # the planner's numpy copy
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     cumulative_logprob: float = 0.0

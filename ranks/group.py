@@ -94,5 +94,11 @@ class PlanChannel:
 
 
 def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process groups. NCCL communicators are not torn down collectively: a rank
+    that is already gone (or exiting) would leave the others waiting in destroy; process exit
+    releases them instead."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        return
+    dist.destroy_process_group()
