@@ -95,8 +95,10 @@ def test_flaky_handler_fails_exactly_the_requests_of_failed_calls(tmp_path, monk
                        json={"model": "tapserve-demo", "prompt": "still here", "max_tokens": 4,
                              "ignore_eos": True, "custom_output_params": {"position": -1}})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert metric(server, "tapserve_custom_output_errors_total") == \
-            sum(c["failed"] for c in calls)
+        # the gauge comes from the engine's once-a-second stats message: wait for the next one
+        expected = sum(c["failed"] for c in calls)
+        assert wait_for(lambda: metric(server, "tapserve_custom_output_errors_total") == expected, 5), \
+            (metric(server, "tapserve_custom_output_errors_total"), expected)
         assert wait_for(lambda: _idle(server), 5)
     finally:
         _stop(server)
