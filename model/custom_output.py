@@ -7,6 +7,7 @@ just define the methods (duck typing).
 """
 from __future__ import annotations
 
+import abc
 import importlib
 import importlib.util
 import inspect
@@ -18,8 +19,9 @@ ALLOWED_DTYPES = {torch.float32: "float32", torch.float16: "float16",
                   torch.bfloat16: "bfloat16", torch.int32: "int32"}
 
 
-class CustomOutputHandler:
-    """Base class for deployment heads run on one selected prompt token per request."""
+class CustomOutputHandler(abc.ABC):
+    """Base class for deployment heads run on one selected prompt token per request.
+    Subclasses must define forward(); the other methods have working defaults."""
 
     NO_OUTPUT = -1
     LAST_GENERATED = -2  # score each sequence's last generated token when it finishes
@@ -30,10 +32,10 @@ class CustomOutputHandler:
         last generated token. Raise ValueError for bad params (605)."""
         return len(input_ids) - 1
 
+    @abc.abstractmethod
     def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] final-normalized, model dtype and device -> [rows] or [rows, width]
         in float32, float16, bfloat16 or int32. Must not perform collectives."""
-        raise NotImplementedError
 
     def weight_names(self) -> list[str]:
         """Tensors to fetch from the model's safetensors (or <module_stem>.safetensors)."""
