@@ -67,6 +67,12 @@ class PlanChannel:
         self.group = group
         self.first = torch.zeros(first_message_bytes, dtype=torch.uint8)
         self.capacity = first_message_bytes - HEADER_BYTES
+        self.rest = torch.zeros(0, dtype=torch.uint8)  # reused; grows to the largest plan seen
+
+    def _rest(self, n: int) -> torch.Tensor:
+        if self.rest.numel() < n:
+            self.rest = torch.zeros(1 << (n - 1).bit_length(), dtype=torch.uint8)
+        return self.rest[:n]
 
     def send(self, plan: StepPlan) -> None:
         payload = encode_plan(plan)
@@ -77,7 +83,8 @@ class PlanChannel:
         head[HEADER_BYTES:HEADER_BYTES + k] = memoryview(payload)[:k]
         dist.broadcast(self.first, src=0, group=self.group)
         if n > k:
-            rest = torch.frombuffer(bytearray(payload[k:]), dtype=torch.uint8)
+            rest = self._rest(n - k)
+            rest.numpy()[:] = memoryview(payload)[k:]
             dist.broadcast(rest, src=0, group=self.group)
 
     def recv(self) -> StepPlan:
@@ -87,7 +94,7 @@ class PlanChannel:
         k = min(n, self.capacity)
         payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes()
         if n > k:
-            rest = torch.empty(n - k, dtype=torch.uint8)
+            rest = self._rest(n - k)
             dist.broadcast(rest, src=0, group=self.group)
             payload += rest.numpy().tobytes()
         return decode_plan(payload)
