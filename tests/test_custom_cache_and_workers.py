@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,21 +13,12 @@ import torch
 
 from coordinator.output_dispatch import OutputDispatcher
 from coordinator.sampling_params import SamplingParams
-from tests.custom_helpers import (BLOCK, Reference, assert_close, greedy, make_head_checkpoint,
+from tests.custom_helpers import (BLOCK, assert_close, greedy,
                                   make_llm, prompt, run)
 
 torch.set_num_threads(1)
+pytest_plugins = ["tests.custom_fixtures"]  # ckpt, ref, llm, plain_llm
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt: Path) -> Reference:
-    return Reference(ckpt)
 
 
 def expected_cached(ids: list[int], cached_prompt: list[int], cap: int | None = None) -> int:

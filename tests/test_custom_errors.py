@@ -3,7 +3,6 @@
 requests are served), scoring-only rules, and start-up checks (HandlerLoadError)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,31 +10,12 @@ import torch
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
 from coordinator.sampling_params import SamplingParams
 from model.custom_output import HandlerLoadError
-from tests.custom_helpers import (HEAD_WIDTH, Reference, assert_close, greedy, make_head_checkpoint,
+from tests.custom_helpers import (HEAD_WIDTH, assert_close, greedy,
                                   make_llm, prompt, run)
 
 torch.set_num_threads(1)
+pytest_plugins = ["tests.custom_fixtures"]  # ckpt, ref, llm, plain_llm
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt: Path) -> Reference:
-    return Reference(ckpt)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path):
-    return make_llm(ckpt)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(ckpt: Path):
-    return make_llm(ckpt, custom_module=None)
 
 
 def assert_refused(r, rid: str, code: int, llm) -> None:

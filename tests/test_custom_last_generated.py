@@ -7,7 +7,6 @@ preemption while scoring; the wire field; and the HTTP API (per choice values, t
 last choice, streaming's final chunk, stop strings drop the value)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,32 +18,13 @@ from coordinator.sampling_params import SamplingParams
 from model.custom_output import CustomOutputHandler
 from ranks.plan import StepKind
 from tests.custom_helpers import (Reference, assert_close, assert_no_leaks, greedy,
-                                  make_head_checkpoint, make_llm, prompt, run)
+                                  make_llm, prompt, run)
 
 torch.set_num_threads(1)
+pytest_plugins = ["tests.custom_fixtures", "tests.api_helpers"]  # ckpt, ref, llm, plain_llm; server
 pytest.importorskip("transformers")
 
 LAST = {"position": CustomOutputHandler.LAST_GENERATED}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt: Path) -> Reference:
-    return Reference(ckpt)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path):
-    return make_llm(ckpt)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(ckpt: Path):
-    return make_llm(ckpt, custom_module=None)
 
 
 def seq_values(r, rid: str) -> dict[int, torch.Tensor]:
@@ -227,7 +207,6 @@ def test_wire_field_is_optional() -> None:
 
 
 # ---- HTTP (live server: demo model, demo head; `{"position": -2}` selects LAST_GENERATED) ---
-pytest_plugins = ["tests.api_helpers"]
 
 
 def _expected(offline, ids: list[int]):

@@ -4,38 +4,18 @@ scoring-only requests; one handler call per prefill step with rows, never in dec
 generation unchanged by a loaded handler."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from coordinator.sampling_params import SamplingParams
 from ranks.plan import StepKind
-from tests.custom_helpers import (HEAD_WIDTH, Reference, assert_close, greedy, make_head_checkpoint,
-                                  make_llm, prompt, run)
+from tests.custom_helpers import (HEAD_WIDTH, assert_close, greedy,
+                                  prompt, run)
 
 torch.set_num_threads(1)
+pytest_plugins = ["tests.custom_fixtures"]  # ckpt, ref, llm, plain_llm
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt: Path) -> Reference:
-    return Reference(ckpt)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt: Path):
-    return make_llm(ckpt)
-
-
-@pytest.fixture(scope="module")
-def plain_llm(ckpt: Path):
-    return make_llm(ckpt, custom_module=None)
 
 
 def mixed_batch(seed: int):
