@@ -86,27 +86,19 @@ def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    import torch
-    from coordinator.config import build_engine, build_runner
-    from ranks.group import PlanChannel, init_distributed, shutdown_distributed
-    from ranks.worker import ignore_termination_signals, run_worker
+    from coordinator.config import build_engine, start_rank
+    from ranks.group import shutdown_distributed
+    from ranks.worker import run_worker
 
-    device_type = torch.device(config.device).type if config.device else \
-        ("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = init_distributed(device_type)
-    if args.tp is not None and args.tp != ctx.world_size:
-        raise SystemExit(f"--tp {args.tp} does not match the world size {ctx.world_size} "
-                         f"(start N ranks with torchrun --nproc-per-node=N)")
-    if not ctx.is_driver:
-        ignore_termination_signals()
-    runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
-    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    try:
+        ctx, runner, channel = start_rank(config, args.tp)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     try:
         if not ctx.is_driver:
             run_worker(runner, channel)
             return 0
-        engine = build_engine(config, runner, channel.send if channel else (lambda plan: None))
-        return run_coordinator(args, config, engine, channel)
+        return run_coordinator(args, config, build_engine(config, runner, channel), channel)
     finally:
         shutdown_distributed()
 

@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.offline import config_dir, workload  # noqa: E402
-from coordinator.config import EngineConfig, build_engine, build_runner  # noqa: E402
+from coordinator.config import EngineConfig, build_engine, start_rank  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from ranks.group import PlanChannel, init_distributed, shutdown_distributed  # noqa: E402
+from ranks.group import shutdown_distributed  # noqa: E402
 from ranks.plan import StepKind, StepPlan  # noqa: E402
 from ranks.worker import run_worker  # noqa: E402
 
@@ -84,17 +84,13 @@ def main() -> None:
     config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
                           device=args.device, max_model_len=args.max_model_len,
                           enable_prefix_caching=False)
-    device_type = torch.device(args.device).type if args.device else \
-        ("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = init_distributed(device_type)
-    device = config.torch_device(ctx.local_rank)
-    runner = build_runner(config, ctx.tp, device, ctx.min_across_ranks)
-    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    ctx, runner, channel = start_rank(config)
     if not ctx.is_driver:
         run_worker(runner, channel)
         shutdown_distributed()
         return
-    engine = build_engine(config, runner, channel.send if channel else (lambda plan: None))
+    engine = build_engine(config, runner, channel)
+    device = runner.device
     ttft_ms(engine, device, 16)  # warm-up
     figures = {
         "tp": ctx.world_size,

@@ -14,8 +14,9 @@ from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
 from model.layers import TPGroup
 from model.loader import resolve_dtype
-from ranks.plan import StepPlan
+from ranks.group import DistContext, PlanChannel, init_distributed
 from ranks.runner import ModelRunner, RunnerConfig
+from ranks.worker import ignore_termination_signals
 
 
 @dataclass
@@ -83,7 +84,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
 
 
 def build_engine(config: EngineConfig, runner: ModelRunner,
-                 send_plan: Callable[[StepPlan], None] = lambda plan: None) -> Engine:
+                 channel: PlanChannel | None = None) -> Engine:
     """Rank 0 only: the coordinator's engine around this rank's runner (and the handler)."""
     model_cfg = runner.model_cfg
     handler = None
@@ -97,4 +98,19 @@ def build_engine(config: EngineConfig, runner: ModelRunner,
         enable_prefix_caching=config.enable_prefix_caching,
         custom_output_reuse=config.custom_output_reuse, seed=config.seed,
         output_workers=config.output_workers)
-    return Engine(runner, options, handler, send_plan)
+    return Engine(runner, options, handler, channel.send if channel else (lambda plan: None))
+
+
+def start_rank(config: EngineConfig, expected_tp: int | None = None
+               ) -> tuple[DistContext, ModelRunner, PlanChannel | None]:
+    """Join the process group (torchrun's environment, or none for one process), build this
+    rank's runner and, with several ranks, the plan channel. Ranks other than 0 ignore
+    SIGINT/SIGTERM: rank 0 alone decides when to stop."""
+    ctx = init_distributed(config.torch_device().type)
+    if expected_tp is not None and expected_tp != ctx.world_size:
+        raise ValueError(f"--tp {expected_tp} does not match the world size {ctx.world_size} "
+                         f"(start N ranks with torchrun --nproc-per-node=N)")
+    if not ctx.is_driver:
+        ignore_termination_signals()
+    runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
+    return ctx, runner, PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None

@@ -11,26 +11,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 torch.set_num_threads(1)
 
-from coordinator.config import EngineConfig, build_engine, build_runner  # noqa: E402
+from coordinator.config import EngineConfig, build_engine, start_rank  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from ranks.group import PlanChannel, init_distributed, shutdown_distributed  # noqa: E402
+from ranks.group import shutdown_distributed  # noqa: E402
 from ranks.plan import StepKind, StepPlan  # noqa: E402
 from ranks.worker import run_worker  # noqa: E402
 
 
 def main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
-    config = EngineConfig(**spec["engine"])
-    device_type = torch.device(config.device or "cpu").type
-    ctx = init_distributed(device_type)
-    runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank) if device_type == "cuda"
-                          else torch.device("cpu"), ctx.min_across_ranks)
-    channel = PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    config = EngineConfig(**{"device": "cpu", **spec["engine"]})  # CPU unless the spec says cuda
+    ctx, runner, channel = start_rank(config)
     if not ctx.is_driver:
         run_worker(runner, channel)
         shutdown_distributed()
         return
-    engine = build_engine(config, runner, channel.send if channel else (lambda p: None))
+    engine = build_engine(config, runner, channel)
     results = {}
     preemptions = [0]
     schedule = engine.scheduler.schedule
