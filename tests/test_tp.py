@@ -98,6 +98,31 @@ def test_tp2_custom_outputs_match_and_run_on_rank0_only(tmp_path):
     assert all(line.split()[1] == "rank=0" for line in lines if line.startswith("forward"))
 
 
+def test_tp2_last_generated_values_match_tp1(tmp_path):
+    """Scoring each sequence's last generated token (-2) under TP2: same values as TP1, n = 2."""
+    ckpt = make_tiny_checkpoint(tmp_path / "lg", "qwen3")
+    params = {"max_new_tokens": 6, "temperature": 0.7, "seed": 5, "n": 2, "ignore_eos": True}
+    reqs = _requests([9, 21], params)
+    for r in reqs:
+        r["custom_output_params"] = {"position": -2}
+    engine = {"model": str(ckpt), "custom_module": "tests.tp_handler:RecordingHead"}
+    log = tmp_path / "lg.log"
+    one = run_tp(tmp_path, "lg", {"engine": engine, "requests": reqs}, 1,
+                 TAPSERVE_TEST_HANDLER_LOG=str(log))
+    two = run_tp(tmp_path, "lg", {"engine": engine, "requests": reqs}, 2,
+                 TAPSERVE_TEST_HANDLER_LOG=str(log))
+    import torch
+    for i in range(len(reqs)):
+        assert one[str(i)]["tokens"] == two[str(i)]["tokens"]
+        values = [one[str(i)]["seq_custom_output"], two[str(i)]["seq_custom_output"]]
+        assert sorted(values[0]) == sorted(values[1]) == ["0", "1"]
+        for k in ("0", "1"):
+            a, b = (torch.frombuffer(bytearray(bytes.fromhex(v[k])), dtype=torch.float32)
+                    for v in values)
+            assert a.shape == (3,) and torch.allclose(a, b, atol=1e-4)
+        assert one[str(i)]["custom_output"] is None  # no prompt-position value
+
+
 def test_tp2_prefix_cache_and_preemption_as_tp1(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "pc", "qwen3")
     shared = _requests([48], GREEDY, seed=3)[0]["prompt"]

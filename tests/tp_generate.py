@@ -45,6 +45,8 @@ def main(spec_file: str, out_file: str) -> None:
             for s in out.sequences:
                 r["tokens"].setdefault(str(s.index), []).extend(s.new_token_ids)
                 r.setdefault("top_logprobs", []).extend(s.new_top_logprobs or [])
+                if s.custom_output is not None:  # LAST_GENERATED: one value per sequence
+                    r.setdefault("seq_custom_output", {})[str(s.index)] = s.custom_output["data"].hex()
             if out.custom_output is not None:
                 r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
             r["cached"] = out.num_cached_tokens
