@@ -66,10 +66,10 @@ class BlockManager:
 
     def blocks_to_append(self, seq: Sequence) -> int:
         """Fresh blocks append_slot(seq) takes: a copy of a shared block, a new last block."""
-        table = seq.block_table
-        i = seq.num_computed_tokens // self.block_size
+        table, size = seq.block_table, self.block_size
+        i = seq.num_computed_tokens // size
         shared = i < len(table) and self.blocks[table[i]].ref_count > 1
-        return shared + (seq.num_tokens > len(table) * self.block_size)
+        return shared + (len(seq.token_ids) > len(table) * size)
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, seq: Sequence, reuse_cap: int | None = None) -> int:
@@ -130,9 +130,9 @@ class BlockManager:
 
     def register_computed(self, seq: Sequence) -> None:
         """Enter newly completed full blocks of seq into the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_hashed_blocks:
+            return  # nothing new (the usual decode step)
         prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash \
             if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, num_full):

@@ -149,7 +149,8 @@ class Engine:
         self._collect_custom()
         touched = list(dict.fromkeys(s.request for s in batch.seqs))
         for request in touched:
-            self._finish_scoring_only(request)
+            if request.params.max_new_tokens == 0:
+                self._finish_scoring_only(request)
         return touched
 
     def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -196,6 +197,9 @@ class Engine:
 
     # ---- sampling, forks, beams ---------------------------------------------------------
     def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> None:
+        if all(s.request.params.num_beams == 1 for _, s in live):
+            self._sample_plain(logits, live)  # no beams: the common case
+            return
         beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
         plain = []
         for i, seq in live:
@@ -208,6 +212,9 @@ class Engine:
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
 
     def _sample_plain(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        if all(_plain_greedy(s) for _, s in items):
+            self._sample_greedy(logits, items)
+            return
         rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
                           self.options.eos_token_ids, seed_key=s.index,
                           num_samples=1 if s.request.forked else s.request.params.n)
@@ -222,6 +229,14 @@ class Engine:
             for j, target in enumerate(targets):
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
+
+    def _sample_greedy(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        """The common decode case (see _plain_greedy): argmax rows, no SampleRows. The row
+        indices increase, so as many items as rows means every row in order (no copy)."""
+        if len(items) != logits.shape[0]:
+            logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
+        for (_, seq), token in zip(items, self.sampler.greedy(logits)):
+            self._append(seq, token, 0.0, None)
 
     def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
         children = []
@@ -277,20 +292,23 @@ class Engine:
             seq.cumulative_logprob = score
         elif logprob is not None:
             seq.cumulative_logprob += logprob
-        if seq.request.params.logprobs and logprob is not None:
+        params = seq.request.params
+        if params.logprobs and logprob is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top or [])
-        if seq.request.params.num_beams == 1:
+        if params.num_beams == 1:
             reason = self._stop_reason(seq, token)
             if reason:
                 self._finish_seq(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if (not p.ignore_eos and token in self.options.eos_token_ids) or token in p.stop_token_ids:
                 return "stop"
-        if seq.num_output_tokens >= p.max_new_tokens or seq.num_tokens >= self.options.max_model_len:
+        if num_output >= p.max_new_tokens or num_tokens >= self.options.max_model_len:
             return "length"
         return None
 
@@ -329,33 +347,47 @@ class Engine:
         finished = request.is_finished
         if finished:
             self.requests.pop(request.request_id, None)
-        if request.params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
+        params = request.params
+        if params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
             reason = request.sequences[0].finish_reason
             seqs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
-                    for i in range(request.params.n)]
-        elif request.params.num_beams > 1:  # beams are sent once, when done: the best n of them
+                    for i in range(params.n)]
+        elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
             seqs = self.beams.final_outputs(request) if finished else []
         else:
-            seqs = [self._seq_output(s) for s in request.sequences]
+            seqs = [_seq_output(s) for s in request.sequences]
         return RequestOutput(
             request_id=request.request_id, sequences=seqs, finished=finished,
             custom_output=request.custom_output, error_code=request.error_code,
             error_message=request.error_message, num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens)
 
-    @staticmethod
-    def _seq_output(seq: Sequence) -> SequenceOutput:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = seq.num_output_tokens
-        want_lp = seq.request.params.logprobs
-        return SequenceOutput(
-            index=seq.index, new_token_ids=seq.token_ids[seq.num_prompt_tokens + start:],
-            new_logprobs=seq.logprobs[start:] if want_lp else None,
-            new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
-            finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
-            custom_output=seq.custom_output)
-
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
         owned = sum(len(s.block_table) for r in self.requests.values() for s in r.live_sequences)
         assert owned >= sum(1 for b in self.blocks.blocks if b.ref_count > 0)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """True when the sampler would just take the argmax of seq's row: an already forked
+    (one sample per row) greedy sequence with no logit processors and no logprobs."""
+    request = seq.request
+    p = request.params
+    return (request.forked and p.greedy and not p.logprobs and not p.logit_bias
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty
+            and (not p.min_tokens or len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens))
+
+
+def _seq_output(seq: Sequence) -> SequenceOutput:
+    """seq's output tokens (and logprobs) not sent yet; marks them sent."""
+    start = seq.num_emitted_tokens
+    token_ids = seq.token_ids
+    seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
+    want_lp = seq.request.params.logprobs
+    return SequenceOutput(
+        index=seq.index, new_token_ids=token_ids[seq.num_prompt_tokens + start:],
+        new_logprobs=seq.logprobs[start:] if want_lp else None,
+        new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
+        finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
+        custom_output=seq.custom_output)

@@ -105,12 +105,19 @@ def _decode_plan(batch: ScheduledBatch, block_size: int,
                  block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
     """The common case, vectorized: every sequence computes its one newest token."""
     seqs = batch.seqs
-    rows = PlanRows(logit_seqs=[s for s in seqs if s.request.params.max_new_tokens > 0
-                                and s.scoring_reason is None])
-    custom_rows = [i for i, s in enumerate(seqs) if s.scoring_reason is not None]
-    rows.custom_seqs = [seqs[i] for i in custom_rows]  # LAST_GENERATED: one more decode row
-    ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
-    context_lens = np.fromiter((len(s.token_ids) for s in seqs), np.int32, len(seqs))
+    rows, logit_rows, custom_rows, ids, lens = PlanRows(), [], [], [], []
+    for i, s in enumerate(seqs):
+        tokens = s.token_ids
+        ids.append(tokens[-1])
+        lens.append(len(tokens))
+        if s.scoring_reason is not None:  # LAST_GENERATED: one more decode row
+            custom_rows.append(i)
+            rows.custom_seqs.append(s)
+        elif s.request.params.max_new_tokens > 0:
+            logit_rows.append(i)
+            rows.logit_seqs.append(s)
+    ids = np.asarray(ids, np.int64)
+    context_lens = np.asarray(lens, np.int32)
     positions = context_lens.astype(np.int64) - 1
     tables = _block_tables(seqs)
     blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
@@ -119,9 +126,7 @@ def _decode_plan(batch: ScheduledBatch, block_size: int,
         slot_mapping=blocks * block_size + positions % block_size,
         query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
         block_tables=tables,
-        logit_rows=np.arange(len(seqs), dtype=np.int64) if len(rows.logit_seqs) == len(seqs) else
-        np.asarray([i for i, s in enumerate(seqs) if s.request.params.max_new_tokens > 0
-                    and s.scoring_reason is None], np.int64),
+        logit_rows=np.asarray(logit_rows, np.int64),
         custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
     return plan, rows

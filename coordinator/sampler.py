@@ -70,6 +70,16 @@ class Sampler:
             j += r.num_samples
         return SampleResult(token_ids, logprobs, tops)
 
+    @torch.inference_mode()
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """The argmax of each row: what __call__ picks for rows that are greedy, draw one
+        sample and have no logit processors or logprobs (the generator is not used). On the
+        CPU numpy's argmax is used: the same first-maximum (and first-NaN) rule, much faster."""
+        logits = logits.detach().float()
+        if logits.device.type == "cpu":
+            return logits.numpy().argmax(axis=1).tolist()
+        return logits.argmax(dim=-1).tolist()
+
     # ---- logit processors (only rows that ask for them pay) ----------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         vocab = logits.shape[1]

@@ -82,7 +82,7 @@ class Scheduler:
                 if all(self._reserve_block(s, batch) for s in group):
                     budget = self._take_tokens(group, batch, budget)
             elif self._reserve_block(seq, batch):
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
@@ -99,6 +99,8 @@ class Scheduler:
     def _reserve_block(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Ensure seq has a slot for its newest token, preempting the most recently arrived
         sequences if needed. False when seq itself was preempted."""
+        if not self.blocks.blocks_to_append(seq):
+            return True  # the common case: append_slot would change nothing
         while self.blocks.blocks_to_append(seq) > self.blocks.num_free_blocks:
             victim = max(self.running, key=lambda s: (s.request.arrival_order, s.index))
             group = self._group(victim)
