@@ -22,7 +22,7 @@ import torch
 
 try:
     from model.custom_output import CustomOutputHandler
-except ImportError:  # run as a script, or outside tapserve: duck typing is enough
+except ImportError:  # run as a script to write the weights file: no handler is built then
     CustomOutputHandler = object
 
 WEIGHT, BIAS = "classifier_head.weight", "classifier_head.bias"
@@ -34,15 +34,6 @@ class ClassifierHead(CustomOutputHandler):
     def __init__(self) -> None:
         self.weight: torch.Tensor | None = None  # [classes, hidden] float32
         self.bias: torch.Tensor | None = None  # [classes] float32
-
-    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
-        """`params["position"]` when given (an int, else ValueError -> 605), else the last token."""
-        if params and "position" in params:
-            position = params["position"]
-            if not isinstance(position, int) or isinstance(position, bool):
-                raise ValueError(f"position must be an integer, got {position!r}")
-            return position
-        return len(input_ids) - 1
 
     def weight_names(self) -> list[str]:
         return [WEIGHT, BIAS]

@@ -12,27 +12,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    from model.custom_output import CustomOutputHandler
-except ImportError:  # run as a script, or outside tapserve: duck typing is enough
-    CustomOutputHandler = object
+from model.custom_output import CustomOutputHandler
 
 WEIGHT, BIAS = "reward_head.weight", "reward_head.bias"
-
-
-def select_position(input_ids: list[int], params: dict | None) -> int:
-    """`params["position"]` when given (an int; ValueError otherwise -> 605), else the last
-    prompt token. Range checks are the engine's (outside [-1, len) -> 605)."""
-    if params:
-        unknown = set(params) - {"position"}
-        if unknown:
-            raise ValueError(f"unknown custom_output_params: {sorted(unknown)}")
-        if "position" in params:
-            position = params["position"]
-            if not isinstance(position, int) or isinstance(position, bool):
-                raise ValueError(f"position must be an integer, got {position!r}")
-            return position
-    return len(input_ids) - 1
 
 
 class RewardHead(CustomOutputHandler):
@@ -41,7 +23,11 @@ class RewardHead(CustomOutputHandler):
         self.bias: torch.Tensor | None = None  # [1] float32
 
     def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
-        return select_position(input_ids, params)
+        """As the base class (`position`, else the last prompt token); other keys -> 605."""
+        unknown = set(params or {}) - {"position"}
+        if unknown:
+            raise ValueError(f"unknown custom_output_params: {sorted(unknown)}")
+        return super().select_token_position(input_ids, params)
 
     def weight_names(self) -> list[str]:
         return [WEIGHT, BIAS]

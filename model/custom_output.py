@@ -29,7 +29,15 @@ class CustomOutputHandler(abc.ABC):
     def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
         """Once per request on rank 0, after tokenization / chat templating. Zero-based index
         into input_ids, -1 for no custom output, or -2 (LAST_GENERATED) for each sequence's
-        last generated token. Raise ValueError for bad params (605)."""
+        last generated token. Raise ValueError for bad params (605).
+
+        Default: `params["position"]` when given (an int, else ValueError), else the last
+        prompt token. Range checks are the engine's (outside [-1, len) -> 605)."""
+        if params and "position" in params:
+            position = params["position"]
+            if not isinstance(position, int) or isinstance(position, bool):
+                raise ValueError(f"position must be an integer, got {position!r}")
+            return position
         return len(input_ids) - 1
 
     @abc.abstractmethod

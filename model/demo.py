@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from model.custom_output import CustomOutputHandler
+
 DEMO_VERSION = "demo-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_VOCAB_SIZE = 1024
@@ -263,7 +265,7 @@ def ensure_demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-class DemoHead:
+class DemoHead(CustomOutputHandler):
     """Demo custom-output handler: a 2-way linear "reward/classifier" head.
 
     Selects `params["position"]` (an int) when given, else the last prompt token;
@@ -273,15 +275,6 @@ class DemoHead:
     def __init__(self) -> None:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-
-    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
-        """`params["position"]` if present (ValueError unless an int), else len-1."""
-        if params and "position" in params:
-            position = params["position"]
-            if not isinstance(position, int) or isinstance(position, bool):
-                raise ValueError(f"position must be an integer, got {position!r}")
-            return position
-        return len(input_ids) - 1
 
     def weight_names(self) -> list[str]:
         """Tensor names to fetch from the checkpoint."""
