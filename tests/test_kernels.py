@@ -9,17 +9,13 @@ Two modes:
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from model.attention import AttentionMetadata, reference_attention, store_kv
+from tests.interpreter import run_checks
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -167,44 +163,23 @@ def _cpu_extend() -> None:
     check_extend([0, 47], [70, 2], (1, 8, 64, 16), torch.float16, "cpu", seed=2)
 
 
-CPU_CHECKS = {"store": _cpu_store, "decode": _cpu_decode, "extend": _cpu_extend}
-
-
-def _run_cpu_checks() -> None:
-    """Entry point of the interpreter subprocess (TRITON_INTERPRET=1 already set): runs every
-    CPU check and prints one JSON line {name: error text or ""}."""
-    import json
-    import traceback
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    results = {}
-    for name, check in CPU_CHECKS.items():
-        try:
-            check()
-            results[name] = ""
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()[-4000:]
+def _cpu_triton_available() -> None:
     from model.kernels import triton_available
-    results["triton_available"] = "" if triton_available("cpu") else "triton_available('cpu') False"
-    print("CPU_CHECKS " + json.dumps(results))
+    assert triton_available("cpu"), "triton_available('cpu') False"
+
+
+CPU_CHECKS = {"store": _cpu_store, "decode": _cpu_decode, "extend": _cpu_extend,
+              "triton_available": _cpu_triton_available}
 
 
 @pytest.fixture(scope="module")
 def cpu_results() -> dict[str, str]:
-    """Run all interpreter checks once, in one subprocess (one torch + triton import)."""
-    import json
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    code = "from tests.test_kernels import _run_cpu_checks; _run_cpu_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("CPU_CHECKS "):
-            return json.loads(line[len("CPU_CHECKS "):])
-    pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    """All interpreter checks once, in one subprocess (tests/interpreter.py)."""
+    return run_checks("tests.test_kernels")
 
 
 @needs_triton
-@pytest.mark.parametrize("name", [*sorted(CPU_CHECKS), "triton_available"])
+@pytest.mark.parametrize("name", sorted(CPU_CHECKS))
 def test_kernels_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
     assert cpu_results[name] == "", cpu_results[name]
 

@@ -13,10 +13,6 @@ Two modes, as tests/test_kernels.py:
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +20,8 @@ import torch.nn.functional as F
 
 from model.layers import RMSNorm, SiluAndMul, use_triton
 from model.rotary import RotaryEmbedding, _apply, rotary_with_qk_norm
+from tests.interpreter import run_checks
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -203,35 +199,10 @@ def _cpu_silu():
 CPU_CHECKS = {"norm": _cpu_norm, "rotary": _cpu_rotary, "silu": _cpu_silu}
 
 
-def _run_cpu_checks() -> None:
-    """Entry point of the interpreter subprocess: runs every CPU check and prints one JSON
-    line {name: error text or ""}."""
-    import json
-    import traceback
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    torch.set_num_threads(1)
-    results = {}
-    for name, check in CPU_CHECKS.items():
-        try:
-            check()
-            results[name] = ""
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()[-4000:]
-    print("HOTPATH_CHECKS " + json.dumps(results))
-
-
 @pytest.fixture(scope="module")
 def cpu_results() -> dict[str, str]:
-    """All interpreter checks once, in one subprocess (one torch + triton import)."""
-    import json
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    code = "from tests.test_kernels_hotpath import _run_cpu_checks; _run_cpu_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("HOTPATH_CHECKS "):
-            return json.loads(line[len("HOTPATH_CHECKS "):])
-    pytest.fail(f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    """All interpreter checks once, in one subprocess (tests/interpreter.py)."""
+    return run_checks("tests.test_kernels_hotpath")
 
 
 @needs_triton
