@@ -12,8 +12,7 @@ import torch
 from api.wire import INVALID_PARAMS
 from coordinator.sampling_params import SamplingParams
 from model.demo import ensure_demo_checkpoint
-from tests.custom_helpers import (Reference, assert_close, greedy, make_head_checkpoint, make_llm,
-                                  prompt, run)
+from tests.custom_helpers import assert_close, greedy, make_llm, prompt, run
 
 torch.set_num_threads(1)
 pytest.importorskip("transformers")
@@ -21,16 +20,7 @@ pytest.importorskip("transformers")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 REWARD = EXAMPLES / "reward_head.py"
 CLASSIFIER = EXAMPLES / "classifier_head.py"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_head_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt: Path) -> Reference:
-    return Reference(ckpt)
+pytest_plugins = ["tests.custom_fixtures"]  # ckpt, ref
 
 
 def load_example(path: Path):
