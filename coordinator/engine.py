@@ -19,7 +19,7 @@ from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
                                         encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
-from coordinator.planner import PlanRows, build_plan
+from coordinator.planner import PlanRows, Planner
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -60,6 +60,7 @@ class Engine:
         self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
                                    options.enable_prefix_caching)
         self.scheduler = Scheduler(options.scheduler, self.blocks)
+        self.planner = Planner(runner.cfg.block_size)
         self.sampler = Sampler(options.seed, runner.device)
         self.beams = BeamSearch()
         self.seqs = SequenceFactory()
@@ -80,12 +81,19 @@ class Engine:
         pos = select_position(self.handler, prompt_token_ids, custom_output_params,
                               params.max_new_tokens)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
-                          custom_position=pos)
+                          custom_position=pos, **self._decode_checks(params, len(prompt_token_ids)))
         if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
             request.reuse_cap_tokens = pos  # reuse stops below the selected token
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _decode_checks(self, params: SamplingParams, prompt_len: int) -> dict:
+        eos = [] if params.ignore_eos else self.options.eos_token_ids
+        return dict(stop_token_set=frozenset(eos) | frozenset(params.stop_token_ids),
+                    max_total_tokens=min(prompt_len + params.max_new_tokens,
+                                         self.options.max_model_len),
+                    plain_sampling=_plain_sampling(params))
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -128,7 +136,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
-        plan, rows = build_plan(batch, self.blocks.block_size, batch.block_copies)
+        plan, rows = self.planner.build(batch)
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
@@ -137,9 +145,11 @@ class Engine:
 
     def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
                      result: StepOutput) -> list[Request]:
+        block_size = self.blocks.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.blocks.register_computed(seq)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block filled
+                self.blocks.register_computed(seq)
         if rows.custom_seqs:
             self._run_custom(result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
                              rows.custom_seqs)
@@ -147,7 +157,7 @@ class Engine:
         if live:
             self._sample(result.logits, live)
         self._collect_custom()
-        touched = list(dict.fromkeys(s.request for s in batch.seqs))
+        touched = list(dict.fromkeys([s.request for s in batch.seqs]))
         for request in touched:
             if request.params.max_new_tokens == 0:
                 self._finish_scoring_only(request)
@@ -197,7 +207,7 @@ class Engine:
 
     # ---- sampling, forks, beams ---------------------------------------------------------
     def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> None:
-        if all(s.request.params.num_beams == 1 for _, s in live):
+        if all([s.request.params.num_beams == 1 for _, s in live]):
             self._sample_plain(logits, live)  # no beams: the common case
             return
         beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
@@ -212,8 +222,14 @@ class Engine:
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
 
     def _sample_plain(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
-        if all(_plain_greedy(s) for _, s in items):
-            self._sample_greedy(logits, items)
+        requests = [s.request for _, s in items]
+        if all([r.plain_sampling and r.forked for r in requests]):  # the usual decode step
+            if len(items) != logits.shape[0]:
+                logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
+            params = [r.params for r in requests]
+            tokens = (self.sampler.greedy(logits) if all([p.greedy for p in params])
+                      else self.sampler.sample_plain(logits, params))
+            self._append_plain(items, tokens)
             return
         rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
                           self.options.eos_token_ids, seed_key=s.index,
@@ -230,13 +246,14 @@ class Engine:
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
 
-    def _sample_greedy(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
-        """The common decode case (see _plain_greedy): argmax rows, no SampleRows. The row
-        indices increase, so as many items as rows means every row in order (no copy)."""
-        if len(items) != logits.shape[0]:
-            logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
-        for (_, seq), token in zip(items, self.sampler.greedy(logits)):
-            self._append(seq, token, 0.0, None)
+    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> None:
+        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined."""
+        for (_, seq), token in zip(items, tokens):
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            request = seq.request
+            if token in request.stop_token_set or len(token_ids) >= request.max_total_tokens:
+                self._check_stop(seq, token)
 
     def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
         children = []
@@ -297,9 +314,12 @@ class Engine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top or [])
         if params.num_beams == 1:
-            reason = self._stop_reason(seq, token)
-            if reason:
-                self._finish_seq(seq, reason)
+            self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        reason = self._stop_reason(seq, token)
+        if reason:
+            self._finish_seq(seq, reason)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params
@@ -344,23 +364,27 @@ class Engine:
         self._finish_request(request, "error")
 
     def _output(self, request: Request) -> RequestOutput:
-        finished = request.is_finished
+        """The request's news since its last output (called for every request a step
+        touched: keep it lean, it runs once per running request per step)."""
+        seqs = request.sequences
+        finished = (seqs[0].status is SeqStatus.FINISHED if len(seqs) == 1
+                    else request.is_finished)
         if finished:
             self.requests.pop(request.request_id, None)
         params = request.params
         if params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
-            reason = request.sequences[0].finish_reason
-            seqs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
+            reason = seqs[0].finish_reason
+            outs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
                     for i in range(params.n)]
         elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
-            seqs = self.beams.final_outputs(request) if finished else []
+            outs = self.beams.final_outputs(request) if finished else []
         else:
-            seqs = [_seq_output(s) for s in request.sequences]
-        return RequestOutput(
-            request_id=request.request_id, sequences=seqs, finished=finished,
-            custom_output=request.custom_output, error_code=request.error_code,
-            error_message=request.error_message, num_prompt_tokens=len(request.prompt_token_ids),
-            num_cached_tokens=request.num_cached_tokens)
+            outs = [_seq_output(s, params.logprobs) for s in seqs]
+        # positional: RequestOutput's field order (request_id, accepted, sequences, finished,
+        # custom_output, error_code, error_message, num_prompt_tokens, num_cached_tokens)
+        return RequestOutput(request.request_id, True, outs, finished, request.custom_output,
+                             request.error_code, request.error_message,
+                             len(request.prompt_token_ids), request.num_cached_tokens)
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
@@ -368,26 +392,22 @@ class Engine:
         assert owned >= sum(1 for b in self.blocks.blocks if b.ref_count > 0)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
-    """True when the sampler would just take the argmax of seq's row: an already forked
-    (one sample per row) greedy sequence with no logit processors and no logprobs."""
-    request = seq.request
-    p = request.params
-    return (request.forked and p.greedy and not p.logprobs and not p.logit_bias
-            and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty
-            and (not p.min_tokens or len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens))
+def _plain_sampling(p: SamplingParams) -> bool:
+    """True when a row needs only temperature, top-k, top-p and min-p: no logit processors
+    (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""
+    return (not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not p.min_tokens
+            and p.seed is None)
 
 
-def _seq_output(seq: Sequence) -> SequenceOutput:
+def _seq_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
     """seq's output tokens (and logprobs) not sent yet; marks them sent."""
     start = seq.num_emitted_tokens
     token_ids = seq.token_ids
     seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
-    want_lp = seq.request.params.logprobs
-    return SequenceOutput(
-        index=seq.index, new_token_ids=token_ids[seq.num_prompt_tokens + start:],
-        new_logprobs=seq.logprobs[start:] if want_lp else None,
-        new_top_logprobs=seq.top_logprobs[start:] if want_lp else None,
-        finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
-        custom_output=seq.custom_output)
+    # positional: SequenceOutput's field order (index, new_token_ids, new_logprobs,
+    # new_top_logprobs, finish_reason, cumulative_logprob, custom_output)
+    return SequenceOutput(seq.index, token_ids[seq.num_prompt_tokens + start:],
+                          seq.logprobs[start:] if with_logprobs else None,
+                          seq.top_logprobs[start:] if with_logprobs else None,
+                          seq.finish_reason, seq.cumulative_logprob, seq.custom_output)

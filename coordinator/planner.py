@@ -30,11 +30,26 @@ def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
     return seq.scoring_reason is not None and start + n == seq.num_tokens
 
 
-def build_plan(batch: ScheduledBatch, block_size: int,
-               block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
-    kind = _step_kind(batch)
-    if kind is StepKind.DECODE:
-        return _decode_plan(batch, block_size, block_copies)
+class Planner:
+    """Builds each step's plan; keeps the block-table buffer between steps."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.tables = BlockTableBuffer()
+
+    def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
+        seqs = batch.seqs
+        context_lens = np.asarray([len(s.token_ids) for s in seqs], np.int32)
+        computed = np.asarray([s.num_computed_tokens for s in seqs], np.int32)
+        if sum(batch.num_new_tokens) == len(seqs) and (context_lens - computed == 1).all():
+            # every sequence computes one token, its newest: a decode step
+            return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
+        return _mixed_plan(batch, self.block_size, self.tables.gather(seqs))
+
+
+def _mixed_plan(batch: ScheduledBatch, block_size: int,
+                tables: np.ndarray) -> tuple[StepPlan, PlanRows]:
+    """Prefill chunks and decode rows together, token by token."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -61,72 +76,101 @@ def build_plan(batch: ScheduledBatch, block_size: int,
             custom_rows.append(offset + seq.request.custom_position - start)
             rows.custom_seqs.append(seq)
     plan = StepPlan(
-        kind=kind,
+        kind=_step_kind(batch),
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
-        context_lens=np.asarray(context_lens, np.int32), block_tables=_block_tables(batch.seqs),
+        context_lens=np.asarray(context_lens, np.int32), block_tables=tables,
         logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
-        block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
+        block_copies=_copies(batch))
     return plan, rows
 
 
+def _copies(batch: ScheduledBatch) -> np.ndarray:
+    return np.asarray(batch.block_copies, np.int64).reshape(-1, 2)
+
+
 def _step_kind(batch: ScheduledBatch) -> StepKind:
-    decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
+    decoding = [n == 1 and s.num_computed_tokens == len(s.token_ids) - 1
                 for s, n in zip(batch.seqs, batch.num_new_tokens)]
     if all(decoding):
         return StepKind.DECODE
     return StepKind.MIXED if any(decoding) else StepKind.PREFILL
 
 
-@dataclass
-class _TableCache:
-    """A sequence's block table as numpy, rebuilt only when the block manager changed it."""
-    version: int
-    array: np.ndarray
+class BlockTableBuffer:
+    """The batch's block tables as one persistent [rows, width] int32 array. A row is rewritten
+    only when a different sequence holds it or its sequence's table changed (block_table_version),
+    so a steady decode batch costs a vectorized comparison, not a list-to-array copy per row."""
+
+    def __init__(self) -> None:
+        self._array = np.zeros((0, 0), np.int32)
+        # per row: the owning seq_id, its block_table_version and its table's length
+        self._owner = self._version = self._length = np.zeros(0, np.int64)
+
+    def gather(self, seqs: list[Sequence]) -> np.ndarray:
+        """A fresh [len(seqs), longest table] copy (the plan owns it)."""
+        n = len(seqs)
+        owner = np.asarray([s.seq_id for s in seqs], np.int64)
+        version = np.asarray([s.block_table_version for s in seqs], np.int64)
+        self._reserve_rows(n)
+        stale = np.flatnonzero((self._owner[:n] != owner) | (self._version[:n] != version))
+        for i in stale.tolist():
+            table = seqs[i].block_table
+            self._reserve_width(len(table))
+            self._array[i, :len(table)] = table
+            self._array[i, len(table):] = 0
+            self._length[i] = len(table)
+        self._owner[:n], self._version[:n] = owner, version
+        width = int(self._length[:n].max()) if n else 0
+        return self._array[:n, :width].copy()
+
+    def _reserve_rows(self, rows: int) -> None:
+        have = self._array.shape[0]
+        if rows > have:
+            grow = max(rows, 2 * have) - have
+            self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), np.int32)])
+            pad = np.full(grow, -1, np.int64)
+            self._owner, self._version, self._length = (
+                np.concatenate([self._owner, pad]), np.concatenate([self._version, pad]),
+                np.concatenate([self._length, np.zeros(grow, np.int64)]))
+
+    def _reserve_width(self, width: int) -> None:
+        have = self._array.shape[1]
+        if width > have:
+            grow = max(width, 2 * have, 8) - have
+            self._array = np.hstack([self._array, np.zeros((self._array.shape[0], grow), np.int32)])
 
 
-def _table_array(seq: Sequence) -> np.ndarray:
-    cache = seq.table_cache
-    if cache is None or cache.version != seq.block_table_version:
-        cache = seq.table_cache = _TableCache(seq.block_table_version,
-                                              np.asarray(seq.block_table, np.int32))
-    return cache.array
-
-
-def _block_tables(seqs: list[Sequence]) -> np.ndarray:
-    arrays = [_table_array(s) for s in seqs]
-    out = np.zeros((len(arrays), max((len(a) for a in arrays), default=0)), np.int32)
-    for i, a in enumerate(arrays):
-        out[i, :len(a)] = a
-    return out
-
-
-def _decode_plan(batch: ScheduledBatch, block_size: int,
-                 block_copies: list[tuple[int, int]]) -> tuple[StepPlan, PlanRows]:
+def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
+                 context_lens: np.ndarray) -> tuple[StepPlan, PlanRows]:
     """The common case, vectorized: every sequence computes its one newest token."""
     seqs = batch.seqs
-    rows, logit_rows, custom_rows, ids, lens = PlanRows(), [], [], [], []
+    ids = np.asarray([s.token_ids[-1] for s in seqs], np.int64)
+    positions = context_lens.astype(np.int64) - 1
+    blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
+    rows, logit_rows, custom_rows = _decode_rows(seqs)
+    plan = StepPlan(
+        kind=StepKind.DECODE, input_ids=ids, positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
+        block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
+        block_copies=_copies(batch))
+    return plan, rows
+
+
+def _decode_rows(seqs: list[Sequence]) -> tuple[PlanRows, np.ndarray, np.ndarray]:
+    """Every row samples, except a LAST_GENERATED sequence scoring its last token (its row
+    goes to the handler) and a scoring-only request (max_new_tokens = 0) in its last step."""
+    special = [i for i, s in enumerate(seqs)
+               if s.scoring_reason is not None or s.request.params.max_new_tokens == 0]
+    if not special:
+        return PlanRows(list(seqs), []), np.arange(len(seqs), dtype=np.int64), np.zeros(0, np.int64)
+    rows, logit_rows, custom_rows = PlanRows(), [], []
     for i, s in enumerate(seqs):
-        tokens = s.token_ids
-        ids.append(tokens[-1])
-        lens.append(len(tokens))
-        if s.scoring_reason is not None:  # LAST_GENERATED: one more decode row
+        if s.scoring_reason is not None:
             custom_rows.append(i)
             rows.custom_seqs.append(s)
         elif s.request.params.max_new_tokens > 0:
             logit_rows.append(i)
             rows.logit_seqs.append(s)
-    ids = np.asarray(ids, np.int64)
-    context_lens = np.asarray(lens, np.int32)
-    positions = context_lens.astype(np.int64) - 1
-    tables = _block_tables(seqs)
-    blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
-    plan = StepPlan(
-        kind=StepKind.DECODE, input_ids=ids, positions=positions,
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
-        block_tables=tables,
-        logit_rows=np.asarray(logit_rows, np.int64),
-        custom_rows=np.asarray(custom_rows, np.int64),
-        block_copies=np.asarray(block_copies, np.int64).reshape(-1, 2))
-    return plan, rows
+    return rows, np.asarray(logit_rows, np.int64), np.asarray(custom_rows, np.int64)

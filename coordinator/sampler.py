@@ -58,7 +58,9 @@ class Sampler:
         keys = [(r, r.seed_key + k) for r in rows for k in range(r.num_samples)]
         if len(expand) != len(rows):
             logits = logits[torch.tensor(expand, device=logits.device)]
-        chosen = self._choose(logits, [r for r, _ in keys], [k for _, k in keys])
+        seeds = {i: hash((r.params.seed, key, r.num_output_tokens)) & (2**63 - 1)
+                 for i, (r, key) in enumerate(keys) if r.params.seed is not None}
+        chosen = self._choose(logits, [r.params for r, _ in keys], seeds)
         flat_ids = chosen.tolist()  # the step's one host sync
         lp, top = self._logprobs(raw, expand, chosen, rows, keys) if want_lp else (None, None)
         token_ids, logprobs, tops, j = [], [], [] if top else None, 0
@@ -79,6 +81,13 @@ class Sampler:
         if logits.device.type == "cpu":
             return logits.numpy().argmax(axis=1).tolist()
         return logits.argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def sample_plain(self, logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+        """One token per row for rows with no logit processors, logprobs or seed (what
+        __call__ would draw for them, with the shared generator): temperature, top-k, top-p
+        and min-p only, so no SampleRow is needed."""
+        return self._choose(logits.float(), params, {}).tolist()
 
     # ---- logit processors (only rows that ask for them pay) ----------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -111,30 +120,32 @@ class Sampler:
             row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
     # ---- choice --------------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, rows: list[SampleRow], keys: list[int]) -> torch.Tensor:
-        greedy = [r.params.greedy for r in rows]
-        argmax = logits.argmax(dim=-1)
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
+                seeds: dict[int, int]) -> torch.Tensor:
+        """Row i's token under params[i]; a row in seeds draws its noise from its own
+        generator seeded with seeds[i]."""
+        greedy = [p.greedy for p in params]
         if all(greedy):
-            return argmax
+            return logits.argmax(dim=-1)
         dev = logits.device
-        temps = torch.tensor([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                              device=dev)
-        probs = self._filtered_probs(logits / temps[:, None], rows)
+        probs = self._filtered_probs(logits / temps[:, None], params)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, (r, key) in enumerate(zip(rows, keys)):
-            if r.params.seed is not None and not greedy[i]:
-                seed = hash((r.params.seed, key, r.num_output_tokens)) & (2**63 - 1)
-                gen = torch.Generator(device=dev).manual_seed(seed)
-                noise[i].exponential_(generator=gen)
+        for i, seed in seeds.items():
+            if not greedy[i]:
+                noise[i].exponential_(generator=torch.Generator(device=dev).manual_seed(seed))
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=dev), argmax, sampled)
+        if not any(greedy):
+            return sampled
+        return torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
 
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
-        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        min_p = [r.params.min_p for r in rows]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             k = torch.tensor(top_k, device=dev)

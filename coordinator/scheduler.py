@@ -71,21 +71,27 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
-        for seq in list(self.running):
+        blocks = self.blocks
+        for seq in list(self.running):  # a copy: preemption removes sequences from running
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or seq in handled:
-                continue  # preempted earlier in this loop, or scheduled with its beams
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
             if seq.request.params.num_beams > 1 and seq.scoring_reason is None:
-                group = self._group(seq)
-                handled.update(group)
-                if all(self._reserve_block(s, batch) for s in group):
-                    budget = self._take_tokens(group, batch, budget)
-            elif self._reserve_block(seq, batch):
-                n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
+                if seq not in handled:
+                    group = self._group(seq)
+                    handled.update(group)
+                    if all(self._reserve_block(s, batch) for s in group):
+                        budget = self._take_tokens(group, batch, budget)
+                continue
+            # blocks_to_append is 0 in the usual decode step: nothing to reserve
+            if blocks.blocks_to_append(seq) and not self._reserve_block(seq, batch):
+                continue
+            n = len(seq.token_ids) - seq.num_computed_tokens
+            n = n if n < budget else budget
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
         return budget
 
     def _group(self, seq: Sequence) -> list[Sequence]:

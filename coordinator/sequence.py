@@ -28,7 +28,6 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_table_version: int = 0  # bumped by the block manager on every change of block_table
-    table_cache: object | None = field(default=None, repr=False)  # the planner's numpy copy
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     cumulative_logprob: float = 0.0
@@ -73,6 +72,10 @@ class Request:
     forked: bool = False  # prompt sequence already split into n samples / beams
     beam_state: object | None = None  # coordinator.beam_search.BeamState for beam search
     num_cached_tokens: int = 0
+    # fixed at admission (Engine.add_request), for the per-token checks of the decode loop:
+    stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
+    max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
+    plain_sampling: bool = False  # no logit processors, logprobs or seed (Sampler.sample_plain)
     error_code: int | None = None
     error_message: str | None = None
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from model.layers import TPGroup
 from ranks.plan import StepPlan, decode_plan, encode_plan
 
-HEADER_BYTES = 8
+HEADER_BYTES = 16  # the plan's length, the next message's size (little-endian uint64)
 
 
 @dataclass
@@ -59,45 +59,70 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
 
 
 class PlanChannel:
-    """Broadcasts one StepPlan per step from rank 0: a fixed-size first message holding the
-    length and as much of the msgpack payload as fits (one broadcast for most steps), then the
-    remainder, if any, in a second broadcast."""
+    """Broadcasts one StepPlan per step from rank 0, normally in one broadcast.
 
-    def __init__(self, group: Any, first_message_bytes: int = 16 * 1024):
+    Each message has a fixed size both sides know in advance: its header holds the plan's
+    length and the size of the next message, which rank 0 picks from this plan's size with
+    some headroom (decode plans grow slowly: a block-table column every block_size steps).
+    A plan larger than the agreed size sends its remainder in a second broadcast; the next
+    message is then sized to fit it.
+    """
+
+    def __init__(self, group: Any, min_message_bytes: int = 16 * 1024):
         self.group = group
-        self.first = torch.zeros(first_message_bytes, dtype=torch.uint8)
-        self.capacity = first_message_bytes - HEADER_BYTES
-        self.rest = torch.zeros(0, dtype=torch.uint8)  # reused; grows to the largest plan seen
-
-    def _rest(self, n: int) -> torch.Tensor:
-        if self.rest.numel() < n:
-            self.rest = torch.zeros(1 << (n - 1).bit_length(), dtype=torch.uint8)
-        return self.rest[:n]
+        self.min_bytes = min_message_bytes
+        self.size = min_message_bytes  # of the next message, agreed by both sides
+        self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
+        self.rest = torch.zeros(0, dtype=torch.uint8)
 
     def send(self, plan: StepPlan) -> None:
         payload = encode_plan(plan)
         n = len(payload)
-        head = self.first.numpy()
-        head[:HEADER_BYTES] = memoryview(n.to_bytes(HEADER_BYTES, "little"))
-        k = min(n, self.capacity)
+        next_size = self._next_size(n)
+        message = self._message(self.size)
+        head = message.numpy()
+        head[:HEADER_BYTES] = memoryview(n.to_bytes(8, "little") + next_size.to_bytes(8, "little"))
+        k = min(n, self.size - HEADER_BYTES)
         head[HEADER_BYTES:HEADER_BYTES + k] = memoryview(payload)[:k]
-        dist.broadcast(self.first, src=0, group=self.group)
+        dist.broadcast(message, src=0, group=self.group)
         if n > k:
             rest = self._rest(n - k)
             rest.numpy()[:] = memoryview(payload)[k:]
             dist.broadcast(rest, src=0, group=self.group)
+        self.size = next_size
 
     def recv(self) -> StepPlan:
-        dist.broadcast(self.first, src=0, group=self.group)
-        head = self.first.numpy()
-        n = int.from_bytes(head[:HEADER_BYTES].tobytes(), "little")
-        k = min(n, self.capacity)
+        message = self._message(self.size)
+        dist.broadcast(message, src=0, group=self.group)
+        head = message.numpy()
+        n = int.from_bytes(head[:8].tobytes(), "little")
+        next_size = int.from_bytes(head[8:HEADER_BYTES].tobytes(), "little")
+        k = min(n, self.size - HEADER_BYTES)
         payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes()
         if n > k:
             rest = self._rest(n - k)
             dist.broadcast(rest, src=0, group=self.group)
             payload += rest.numpy().tobytes()
+        self.size = next_size
         return decode_plan(payload)
+
+    def _next_size(self, n: int) -> int:
+        """Keep the agreed size while this plan fits in it and fills more than half of it;
+        else this plan's size plus 1/16 headroom, rounded up to 4 KiB."""
+        need = n + HEADER_BYTES
+        if need <= self.size and 2 * need > self.size:
+            return self.size
+        return max(self.min_bytes, -(-(need + need // 16) // 4096) * 4096)
+
+    def _message(self, size: int) -> torch.Tensor:
+        if self.buffer.numel() < size:
+            self.buffer = torch.zeros(size, dtype=torch.uint8)
+        return self.buffer[:size]
+
+    def _rest(self, n: int) -> torch.Tensor:
+        if self.rest.numel() < n:
+            self.rest = torch.zeros(1 << (n - 1).bit_length(), dtype=torch.uint8)
+        return self.rest[:n]
 
 
 def shutdown_distributed() -> None:

@@ -8,6 +8,7 @@ Two modes:
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -19,6 +20,11 @@ from tests.interpreter import run_checks
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+# Triton 3.6's interpreter (the GPU machine's) cannot take a loaded value as a `range` bound
+# ("only 0-dimensional arrays can be converted to Python scalars"); 3.9's can. There the
+# compiled kernels are checked instead (test_decode_gpu, test_extend_gpu).
+OLD_INTERPRETER = HAS_TRITON and tuple(
+    int(x) for x in importlib.metadata.version("triton").split(".")[:2]) < (3, 9)
 
 # (num_kv_heads, group, head_dim, block_size)
 GPU_SHAPES = [(8, 1, 128, 16), (8, 4, 128, 32), (4, 8, 128, 16), (2, 4, 64, 16), (4, 8, 64, 32),
@@ -181,6 +187,8 @@ def cpu_results() -> dict[str, str]:
 @needs_triton
 @pytest.mark.parametrize("name", sorted(CPU_CHECKS))
 def test_kernels_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
+    if name in ("decode", "extend") and OLD_INTERPRETER:
+        pytest.skip("Triton < 3.9 interpreter: no loop bounds from loaded values")
     assert cpu_results[name] == "", cpu_results[name]
 
 

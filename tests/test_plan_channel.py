@@ -1,0 +1,63 @@
+"""PlanChannel over a real 2-rank gloo group: plans of changing sizes arrive intact, and a
+plan that fits the size agreed in the previous message costs exactly one broadcast."""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ranks.group import PlanChannel
+from ranks.plan import StepKind, StepPlan
+
+# block-table shapes (rows, cols) of int32: ~1 KB, 100 KB, 104 KB, 300 KB, 1 KB, 1 KB
+SHAPES = [(16, 16), (200, 128), (208, 128), (600, 128), (16, 16), (16, 16)]
+# broadcasts per plan: 16 KiB agreed first; 100 KB overflows (2), the next is sized to fit
+# it with headroom, 104 KB fits (1), 300 KB overflows (2), then everything fits again
+EXPECTED_BROADCASTS = [1, 2, 1, 2, 1, 1]
+
+
+def _plan(i: int) -> StepPlan:
+    rows, cols = SHAPES[i]
+    tables = np.arange(rows * cols, dtype=np.int32).reshape(rows, cols) + i
+    return StepPlan(kind=StepKind.DECODE, input_ids=np.arange(rows, dtype=np.int64) * (i + 1),
+                    context_lens=np.full(rows, 7 + i, np.int32), block_tables=tables)
+
+
+def _rank(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    calls = []
+    real_broadcast = dist.broadcast
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+    dist.broadcast = counting_broadcast
+    channel = PlanChannel(dist.group.WORLD)
+    counts, intact = [], []
+    for i in range(len(SHAPES)):
+        before = len(calls)
+        if rank == 0:
+            channel.send(_plan(i))
+        else:
+            got, want = channel.recv(), _plan(i)
+            intact.append(all(np.array_equal(getattr(got, f), getattr(want, f))
+                              for f in ("input_ids", "context_lens", "block_tables")))
+        counts.append(len(calls) - before)
+    results[rank] = {"counts": counts, "intact": intact}
+    dist.destroy_process_group()
+
+
+def test_plans_of_changing_size_one_broadcast_when_they_fit() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank, args=(port, results), nprocs=2)
+        results = dict(results)
+    assert results[1]["intact"] == [True] * len(SHAPES)
+    assert results[0]["counts"] == results[1]["counts"] == EXPECTED_BROADCASTS
