@@ -35,9 +35,18 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def time_decode(llm: LLM, batch: int, context: int, steps: int) -> float:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_decode(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, float]:
+    """Mean decode step time with `batch` sequences running throughout, and their mean
+    context length over the timed steps (early-admitted sequences decode while later prompts
+    prefill, so they are longer than `context`)."""
     engine = llm.engine
-    params = SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True)
+    room = engine.options.max_model_len - context
+    params = SamplingParams(max_new_tokens=room, temperature=0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
@@ -45,18 +54,19 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int) -> float:
         engine.step()
     for _ in range(3):
         engine.step()
-    if len(engine.scheduler.running) != batch:
-        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
-    torch.cuda.synchronize()
+    lengths = [len(s.token_ids) for s in engine.scheduler.running]
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     elapsed = (time.perf_counter() - start) / steps
+    if len(engine.scheduler.running) != batch or len(lengths) != batch:
+        raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
     for rid in list(engine.requests):
         engine.abort_request(rid)
     engine.step()
-    return elapsed
+    return elapsed, sum(lengths) / batch + steps / 2
 
 
 def main() -> None:
@@ -69,24 +79,28 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
+    prefill_steps = -(-max(batches) * args.context // budget)
     llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                           max_num_seqs=max(batches), max_model_len=args.context + args.steps + 64,
+                           max_num_seqs=max(batches), max_num_batched_tokens=budget,
+                           max_model_len=args.context + prefill_steps + args.steps + 64,
                            enforce_eager=args.enforce_eager, enable_prefix_caching=False))
     wbytes = weight_bytes(llm)
     kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
     rows = []
     for b in batches:
-        need = b * -(-(args.context + args.steps + 16) // llm.runner.cfg.block_size)
+        need = b * -(-llm.engine.options.max_model_len // llm.runner.cfg.block_size)
         if need > llm.runner.num_blocks:
             print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
             break
         try:
-            t = time_decode(llm, b, args.context, args.steps)
+            t, mean_context = time_decode(llm, b, args.context, args.steps)
         except RuntimeError as e:
             print(f"batch {b}: {e}")
             break
-        read = wbytes + b * (args.context + args.steps // 2) * kv_per_token
-        rows.append({"batch": b, "context": args.context, "step_ms": round(t * 1e3, 3),
+        read = wbytes + b * mean_context * kv_per_token
+        rows.append({"batch": b, "context": args.context, "mean_context": round(mean_context),
+                     "step_ms": round(t * 1e3, 3),
                      "tokens_per_s": round(b / t, 1), "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
                      "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
         print(json.dumps(rows[-1]), flush=True)

@@ -1,16 +1,16 @@
 """A benchmark deployment head: a linear layer (hidden -> 1, float32) on the last prompt token
-of every request, with weights made on first use (no checkpoint tensors needed)."""
+of every request (the base class's default selector; {"position": -1} opts a request out),
+with weights made on first use (no checkpoint tensors needed)."""
 from __future__ import annotations
 
 import torch
 
+from model.custom_output import CustomOutputHandler
 
-class LastTokenLinearHead:
+
+class LastTokenLinearHead(CustomOutputHandler):
     def __init__(self) -> None:
         self.weight: torch.Tensor | None = None
-
-    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
-        return len(input_ids) - 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.weight is None:

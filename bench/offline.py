@@ -5,6 +5,11 @@ uniform in [100, 1024], ignore_eos, temperature 0.6. Prints output tokens / wall
 
     python bench/offline.py --model-config ../shared/reference/configs/qwen3-0.6b.json
     python bench/offline.py --model DIR [--custom-module examples/reward_head.py]
+
+The custom head's cost: `--ab-rounds N` with a `--custom-module` whose selector honours
+{"position": -1} (e.g. bench/last_token_head.py:LastTokenLinearHead) runs the workload 2N
+times in one engine, alternating head on / head off (prefix caching off, so every round
+computes every prompt), and reports both the best and the median round of each.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import argparse
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +46,29 @@ def config_dir(config_json: str) -> str:
     return folder
 
 
+def head_ab(llm: LLM, prompts, params, args) -> None:
+    """Alternate head on / off (on, off, off, on, ...: drift hits both alike)."""
+    rounds: dict[str, list[float]] = {"on": [], "off": []}
+    for r in range(2 * args.ab_rounds):
+        mode = "on" if r % 4 in (0, 3) else "off"
+        custom = None if mode == "on" else [{"position": -1}] * len(prompts)
+        calls = llm.engine.custom_stats.calls
+        start = time.perf_counter()
+        llm.generate(prompts, params, custom_output_params=custom)
+        rounds[mode].append(round(time.perf_counter() - start, 3))
+        print(json.dumps({"round": r, "head": mode, "seconds": rounds[mode][-1],
+                          "handler_calls": llm.engine.custom_stats.calls - calls}), flush=True)
+    best = {m: min(v) for m, v in rounds.items()}
+    median = {m: statistics.median(v) for m, v in rounds.items()}
+    figures = {"custom_module": args.custom_module, "rounds": rounds,
+               "best_on_s": best["on"], "best_off_s": best["off"],
+               "cost_best": round(best["on"] / best["off"] - 1, 4),
+               "cost_median": round(median["on"] / median["off"] - 1, 4)}
+    print(json.dumps(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (weights loaded)")
@@ -54,15 +83,23 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--floor-seconds", type=float, help="roofline floor to report the ratio to")
     p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="head on / head off rounds (needs --custom-module)")
     args = p.parse_args()
+    if args.ab_rounds and not args.custom_module:
+        p.error("--ab-rounds needs --custom-module")
     model = args.model or config_dir(args.model_config)
     config = EngineConfig(model=model, load_format="safetensors" if args.model else "dummy",
                           custom_module=args.custom_module, enforce_eager=args.enforce_eager,
                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=not args.ab_rounds)
     llm = LLM(config)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # warm-up
+    if args.ab_rounds:
+        head_ab(llm, prompts, params, args)
+        return
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

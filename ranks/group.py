@@ -45,8 +45,9 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world_size == 1:
-        return DistContext(0, 1, 0, TPGroup(), None)
+    if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return DistContext(0, 1, 0, TPGroup(), None)  # plain `python launch.py`: no group
+    # under torchrun even one rank joins a real group (NCCL on CUDA): the TP code path
     timeout = timedelta(seconds=peer_timeout)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":

@@ -9,13 +9,28 @@ import torch
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_tp import GREEDY, _assert_same_tokens_and_logprobs, _requests, run_tp
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = pytest.mark.gpu
+needs_2_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1", "NVIDIA_TF32_OVERRIDE": "0"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_torchrun_world_size_1_uses_nccl(tmp_path):
+    """Issue 4 item 6: under torchrun one rank joins an NCCL group; tokens as without it."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ws1", "qwen3")
+    spec = {"engine": {"model": str(ckpt), "device": "cuda", "dtype": "float32",
+                       "max_num_seqs": 8, "max_model_len": 256},
+            "requests": _requests([3, 20], GREEDY)}
+    plain = run_tp(tmp_path, "ws1", spec, 1, **NVLS_OFF)
+    nccl = run_tp(tmp_path, "ws1", spec, 1, torchrun=True, **NVLS_OFF)
+    assert (plain["_backend"], nccl["_backend"]) == (None, "nccl")
+    _assert_same_tokens_and_logprobs(plain, nccl, 2)
+
+
+@needs_2_gpus
 @pytest.mark.parametrize("arch,kv_heads,eager", [("qwen3", 2, True), ("qwen3", 2, False),
                                                  ("llama", 2, False), ("qwen3", 1, False)])
 def test_gpu_tp2_greedy_matches_tp1(tmp_path, arch, kv_heads, eager):
@@ -29,6 +44,7 @@ def test_gpu_tp2_greedy_matches_tp1(tmp_path, arch, kv_heads, eager):
     assert two["_free_blocks"][0] == two["_free_blocks"][1]
 
 
+@needs_2_gpus
 def test_gpu_tp2_custom_outputs(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "co", "qwen3")
     reqs = _requests([6, 20, 33], {"max_new_tokens": 4, "temperature": 0})

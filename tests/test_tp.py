@@ -20,10 +20,13 @@ def _env(**extra) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
 
 
-def run_tp(tmp: Path, name: str, spec: dict, nproc: int, **env) -> dict:
+def run_tp(tmp: Path, name: str, spec: dict, nproc: int, torchrun: bool | None = None,
+           **env) -> dict:
+    """tests/tp_generate.py on nproc ranks: under torchrun (the default for nproc > 1) or as
+    one plain process."""
     spec_file, out_file = tmp / f"{name}.spec.json", tmp / f"{name}.tp{nproc}.json"
     spec_file.write_text(json.dumps(spec))
-    if nproc == 1:
+    if not (nproc > 1 if torchrun is None else torchrun):
         cmd = [sys.executable, str(SCRIPT)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -66,6 +69,15 @@ def test_tp2_greedy_matches_tp1(tmp_path, arch):
     reqs = _requests([1, 7, 16, 17, 40, 3], GREEDY)
     one, two = compare(tmp_path, arch, {"engine": {"model": str(ckpt)}, "requests": reqs})
     _assert_same_tokens_and_logprobs(one, two, len(reqs))
+
+
+def test_torchrun_world_size_1_joins_a_group_and_matches_plain(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ws1", "qwen3")
+    spec = {"engine": {"model": str(ckpt)}, "requests": _requests([4, 17], GREEDY)}
+    plain = run_tp(tmp_path, "ws1", spec, 1)
+    under_torchrun = run_tp(tmp_path, "ws1", spec, 1, torchrun=True)
+    assert (plain["_backend"], under_torchrun["_backend"]) == (None, "gloo")
+    _assert_same_tokens_and_logprobs(plain, under_torchrun, 2)
 
 
 def test_tp2_with_one_kv_head_replicated(tmp_path):

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 torch.set_num_threads(1)
@@ -52,6 +53,7 @@ def main(spec_file: str, out_file: str) -> None:
             r["cached"] = out.num_cached_tokens
     results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
     results["_preemptions"] = preemptions[0]
+    results["_backend"] = dist.get_backend() if dist.is_initialized() else None
     if channel:
         channel.send(StepPlan(kind=StepKind.STOP))
     Path(out_file).write_text(json.dumps(results))
