@@ -2,6 +2,8 @@
 
     python launch.py [--model DIR] ...                       one process (TP = 1)
     torchrun --nproc-per-node=N launch.py --model DIR ...    N tensor-parallel ranks
+    python launch.py --nproc-per-node N --model DIR ...      the same on one node, no torchrun:
+                                                             nothing listens beyond 127.0.0.1
 
 Rank 0 runs the coordinator and spawns the API process; other ranks run the worker loop.
 `--prompt TEXT` generates once offline and prints the result instead of serving.
@@ -17,6 +19,7 @@ import sys
 import tempfile
 
 from coordinator.config import EngineConfig
+from ranks.local_group import is_local_rank, run_local_group
 
 DEMO_HEAD = "model.demo:DemoHead"
 
@@ -31,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--device", help="cpu or cuda (default: cuda if available)")
     a("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     a("--tp", type=int, help="tensor-parallel size (default and only allowed value: the world size)")
+    a("--nproc-per-node", type=int, help="start this many tensor-parallel ranks on this node "
+                                         "(instead of torchrun; ranks/local_group.py)")
     a("--custom-module", help="deployment head: path/to/file.py[:Class] or package.module:Class "
                               "('none' disables the demo head)")
     a("--custom-output-reuse", default="omit", choices=["omit", "recompute"])
@@ -131,6 +136,11 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.nproc_per_node and not is_local_rank():
+        if args.nproc_per_node < 1 or args.prompt is not None:
+            raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")
+        return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *sys.argv[1:]]
+                               if argv is None else [os.path.abspath(__file__), *argv])
     config = engine_config(args)
     if args.prompt is not None:
         return run_prompt(args, config)

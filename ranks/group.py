@@ -1,7 +1,7 @@
 """Process groups and the step-plan channel.
 
-torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; without them tapserve runs as one process with
-no process group at all. The model's collectives use NCCL on CUDA and gloo on CPU; a second
+torchrun (or `launch.py --nproc-per-node`, ranks/local_group.py) sets RANK / WORLD_SIZE /
+LOCAL_RANK; without them tapserve runs as one process with no process group at all. The model's collectives use NCCL on CUDA and gloo on CPU; a second
 gloo group carries plans, so CPU and GPU share one code path. Both groups time out after
 `peer_timeout` seconds, which bounds how long a rank waits for a dead peer.
 """
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from model.layers import TPGroup
+from ranks.local_group import STORE_ENV
 from ranks.plan import StepPlan, decode_plan, encode_plan
 
 HEADER_BYTES = 16  # the plan's length, the next message's size (little-endian uint64)
@@ -45,14 +46,18 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+    store_file = os.environ.get(STORE_ENV)  # set by ranks/local_group.py
+    if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ and store_file is None:
         return DistContext(0, 1, 0, TPGroup(), None)  # plain `python launch.py`: no group
-    # under torchrun even one rank joins a real group (NCCL on CUDA): the TP code path
+    # launched as a group (torchrun or --nproc-per-node), even one rank joins a real group
+    # (NCCL on CUDA): the TP code path
     timeout = timedelta(seconds=peer_timeout)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, timeout=timeout,
+                            init_method=f"file://{store_file}" if store_file else None,
+                            rank=rank, world_size=world_size,
                             device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
     plan_group = dist.new_group(backend="gloo", timeout=timeout)
     tp = TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)

@@ -1,6 +1,7 @@
-"""Listening TCP sockets of a 2-rank torchrun group (`--standalone`, gloo, CPU): what
-torch.distributed's rendezvous store and gloo bind. Single-node launches are meant to keep
-them on loopback; see docs/reliability.md for what torch actually does."""
+"""Listening TCP sockets of a 2-rank group (gloo, CPU): started by `launch.py --nproc-per-node 2`
+(FileStore rendezvous, gloo on loopback) nothing but the loopback HTTP port and gloo's loopback
+pairs listen; under `torchrun --standalone` the ranks do the same, but torchrun's own
+rendezvous store listens on all interfaces (docs/reliability.md)."""
 from __future__ import annotations
 
 import os
@@ -15,15 +16,26 @@ from tests.test_tp_lifecycle import TorchrunServer
 LOOPBACK = ("127.0.0.1", "::1")
 
 
-def group_listeners(tmp_path):
-    """(HTTP port, torchrun agent pid, [(pid, address, port)]) of a live 2-rank group."""
-    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True), tmp_path)
+def group_listeners(tmp_path, local: bool = False):
+    """(HTTP port, launcher pid, [(pid, address, port)]) of a live 2-rank group."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path, local=local)
     try:
         pids = [server.proc.pid, *descendants(server.proc.pid)]
         return server.port, server.proc.pid, listening_tcp(pids)
     finally:
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
+
+
+def test_local_group_listens_only_on_loopback(tmp_path):
+    """The single-node launcher: every listening socket of the launcher, both ranks and the
+    API process is on loopback (there is no TCP store at all)."""
+    port, launcher, listening = group_listeners(tmp_path, local=True)
+    assert port in [p for _, _, p in listening]
+    exposed = [s for s in listening if s[1] not in LOOPBACK]
+    assert not exposed, f"sockets bound beyond loopback: {exposed} (all: {listening})"
+    assert not [s for s in listening if s[0] == launcher], "the launcher itself listens"
 
 
 @pytest.fixture(scope="module")

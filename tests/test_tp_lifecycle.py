@@ -1,5 +1,6 @@
-"""Life cycle of a 2-rank torchrun group on CPU (gloo), serving for real: heartbeats keep an idle
-pair healthy, a dead rank takes the group down within 30 s, SIGTERM ends every rank."""
+"""Life cycle of a 2-rank group on CPU (gloo), serving for real, started by torchrun and by
+`launch.py --nproc-per-node 2`: heartbeats keep an idle pair healthy, a dead rank takes the
+group down within 30 s, SIGTERM ends every rank."""
 from __future__ import annotations
 
 import os
@@ -19,13 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class TorchrunServer:
-    def __init__(self, model: Path, tmp: Path):
+    """A 2-rank CPU group serving HTTP: under torchrun, or (local=True) started by
+    `launch.py --nproc-per-node 2` (ranks/local_group.py)."""
+
+    def __init__(self, model: Path, tmp: Path, local: bool = False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "torchrun.log", "w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "launch.py", "--model", str(model), "--device", "cpu", "--port", str(self.port),
-               "--shutdown-timeout", "2", "--custom-module", "none"]
+        launcher = (["launch.py", "--nproc-per-node", "2"] if local else
+                    ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py"])
+        cmd = [sys.executable, *launcher, "--model", str(model), "--device", "cpu",
+               "--port", str(self.port), "--shutdown-timeout", "2", "--custom-module", "none"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      start_new_session=True)
@@ -72,9 +77,10 @@ class TorchrunServer:
         return rc, time.monotonic() - start
 
 
-@pytest.fixture
-def server(tmp_path):
-    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True), tmp_path)
+@pytest.fixture(params=["torchrun", "local"])
+def server(tmp_path, request):
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True), tmp_path,
+                            local=request.param == "local")
     yield server
     if server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGKILL)

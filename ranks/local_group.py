@@ -1,0 +1,68 @@
+"""Single-node tensor parallelism without torchrun: `python launch.py --nproc-per-node N ...`.
+
+The parent starts N rank processes (this same command line, with RANK, LOCAL_RANK and
+WORLD_SIZE set, as torchrun sets them). They rendezvous through a torch FileStore in a private
+0700 directory instead of a TCP store, and gloo and NCCL are pinned to the loopback interface,
+so a single-node group listens on no TCP port but the API's. (torchrun's own rendezvous store
+listens on all interfaces and torch offers no way to bind it; docs/reliability.md.)
+
+Like torchrun, the parent forwards SIGINT/SIGTERM to every rank (rank 0 drains and stops the
+group; the other ranks ignore signals) and, once a rank fails, stops the rest.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+STORE_ENV = "TAPSERVE_STORE_FILE"  # set in the ranks: the FileStore path of their group
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def is_local_rank() -> bool:
+    """True inside a rank process started by run_local_group."""
+    return STORE_ENV in os.environ
+
+
+def run_local_group(nproc: int, argv: list[str], grace_s: float = 30.0) -> int:
+    """Run `python <argv>` as nproc ranks; return the first non-zero exit code, else 0."""
+    group_dir = tempfile.mkdtemp(prefix="tapserve-group-")  # mode 0700
+    env = {**os.environ, **LOOPBACK_ENV, "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: os.path.join(group_dir, "store")}
+    ranks = [subprocess.Popen([sys.executable, *argv],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(nproc)]
+
+    def forward(signum, _frame) -> None:
+        for p in ranks:
+            if p.poll() is None:
+                p.send_signal(signum)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _wait(ranks, grace_s)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        shutil.rmtree(group_dir, ignore_errors=True)
+
+
+def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
+    """Wait for every rank; after the first failure give the rest grace_s, then kill them."""
+    failed_at = None
+    while any(p.poll() is None for p in ranks):
+        codes = [p.returncode for p in ranks if p.returncode not in (None, 0)]
+        if codes and failed_at is None:
+            failed_at = time.monotonic()
+            for p in ranks:
+                if p.poll() is None:
+                    p.terminate()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.1)
+    return next((p.returncode for p in ranks if p.returncode != 0), 0)
