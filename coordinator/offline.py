@@ -48,7 +48,8 @@ class GenerationResult:
             if s.custom_output is not None:
                 c.custom_output = decode_value(s.custom_output)
         if out.custom_output is not None:
-            self.custom_output = decode_value(out.custom_output)
+            if self.custom_output is None:  # it rides on every later output: decode it once
+                self.custom_output = decode_value(out.custom_output)
         elif out.finished and self.outputs:  # LAST_GENERATED: the last sequence's value
             self.custom_output = self.outputs[-1].custom_output
         self.num_cached_tokens = out.num_cached_tokens
