@@ -103,9 +103,22 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if not ctx.is_driver:
             run_worker(runner, channel)
             return 0
-        return run_coordinator(args, config, build_engine(config, runner, channel), channel)
+        engine = build_engine(config, runner, channel, serving_text_decoder(config))
+        return run_coordinator(args, config, engine, channel)
     finally:
         shutdown_distributed()
+
+
+def serving_text_decoder(config: EngineConfig):
+    """The API's tokenizer on rank 0 too, when a custom head may score generated tokens: rank
+    0 then detects stop strings of LAST_GENERATED requests (coordinator/stop_strings.py)."""
+    if not config.custom_module:
+        return None
+    from api.tokenizer import TextTokenizer
+    try:
+        return TextTokenizer.from_dir(config.tokenizer or config.model_dir())
+    except FileNotFoundError:
+        return None
 
 
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:

@@ -13,6 +13,7 @@ to be included) so a client never sees the start of a stop string that is later 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +67,7 @@ class IncrementalDetokenizer:
         self.num_tokens = 0  # output tokens consumed (up to and including a stop match)
         self.stopped = False  # a stop string matched
         self._sent = 0  # characters of self.text already handed out
+        self._ends: list[int] = []  # len(text) after each consumed token (before any cut)
 
     def add_tokens(self, token_ids: list[int]) -> int:
         """Consume new token ids; returns how many were used (fewer once a stop string
@@ -85,7 +87,16 @@ class IncrementalDetokenizer:
                 if cut is not None:
                     self.text = self.text[:cut]
                     self.stopped = True
+            self._ends.append(len(self.text))
         return used
+
+    @property
+    def kept_tokens(self) -> int:
+        """Output tokens needed for the kept text: after a stop-string cut, up to the token
+        that produced the last kept character (0 when nothing is kept)."""
+        if not self.stopped:
+            return self.num_tokens
+        return bisect.bisect_left(self._ends, len(self.text)) + 1 if self.text else 0
 
     def _decode_step(self, final: bool = False) -> str:
         prefix = self.decoder.decode(self._ids[self._prefix_offset:self._read_offset],

@@ -52,6 +52,7 @@ class RequestGroup:
     request_ids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: set[str] = field(default_factory=set)
+    engine_stop_strings: set[str] = field(default_factory=set)  # see wire.RequestOutput
     _buffered: list[wire.RequestOutput] = field(default_factory=list)
 
     async def accepted(self) -> None:
@@ -67,6 +68,8 @@ class RequestGroup:
                     error = error or EngineError(out.error_code or wire.EXECUTION_EXCEPTION,
                                                  out.error_message or "request rejected")
                     continue
+                if out.engine_stop_strings:
+                    self.engine_stop_strings.add(out.request_id)
                 if not out.sequences and not out.finished and out.custom_output is None:
                     continue  # the plain accept answer
             self._buffered.append(out)
@@ -96,6 +99,10 @@ class RequestGroup:
             while not self.queue.empty() and len(self.finished) < len(self.request_ids):
                 batch.append(self._take(self.queue.get_nowait()))
             yield batch
+
+    def engine_stops(self, request_id: str) -> bool:
+        """The coordinator detects this request's stop strings (wire.RequestOutput)."""
+        return request_id in self.engine_stop_strings
 
     def abort(self) -> None:
         """Abort every unfinished request of the group (idempotent)."""

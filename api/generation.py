@@ -4,7 +4,9 @@ An HTTP request holds one engine request per prompt; prompt p's sequence i is th
 choice `p * n + i`. For each choice this keeps an incremental detokenizer (stop strings
 included), the kept token ids and logprobs, and the finish reason; a choice cut by a stop
 string ignores later tokens, and once every choice of a prompt is done that way its engine
-request is aborted. Engine errors after the accept answer raise EngineError.
+request is aborted. When the coordinator detects the request's stop strings itself
+(`engine_stop_strings`: it scores the last kept token, LAST_GENERATED), a cut choice instead
+waits for its sequence's final output, which carries the value. Engine errors after the accept answer raise EngineError.
 """
 from __future__ import annotations
 
@@ -165,12 +167,12 @@ class Generation:
         choice.top_logprobs += delta.top_logprobs
         if seq.cumulative_logprob is not None:
             choice.cumulative_logprob = seq.cumulative_logprob
-        if choice.detok.stopped:
+        if choice.detok.stopped and not self.group.engine_stops(state.request_id):
             choice.finish_reason = "stop"  # cut by a stop string: its value (if any) is dropped
-        elif seq.finish_reason:
+        elif seq.finish_reason:  # with engine_stop_strings, also a cut choice's final output
             choice.custom_output = seq.custom_output
             choice.detok.finish()
-            choice.finish_reason = seq.finish_reason
+            choice.finish_reason = "stop" if choice.detok.stopped else seq.finish_reason
         delta.finish_reason = choice.finish_reason
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta

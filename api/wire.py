@@ -63,6 +63,10 @@ class RequestOutput:
     error_message: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # on the accept answer: the coordinator detects this request's stop strings itself (it
+    # scores the last kept token, LAST_GENERATED), so a choice cut by one waits for its final
+    # output; sent only when true
+    engine_stop_strings: bool = False
 
 
 @dataclass
@@ -120,6 +124,8 @@ def decode(data: bytes) -> Any:
 
 def _output_body(out: RequestOutput) -> dict:
     body = dict(out.__dict__)
+    if not body["engine_stop_strings"]:
+        del body["engine_stop_strings"]
     body["sequences"] = [_sequence_body(s) for s in out.sequences]
     return body
 

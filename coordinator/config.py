@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from api.detokenizer import Decoder
 from coordinator.custom_outputs import build_handler
 from coordinator.engine import Engine, EngineOptions
 from coordinator.scheduler import SchedulerConfig
@@ -83,9 +84,10 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
     return ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
 
 
-def build_engine(config: EngineConfig, runner: ModelRunner,
-                 channel: PlanChannel | None = None) -> Engine:
-    """Rank 0 only: the coordinator's engine around this rank's runner (and the handler)."""
+def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel | None = None,
+                 text_decoder: Decoder | None = None) -> Engine:
+    """Rank 0 only: the coordinator's engine around this rank's runner (and the handler).
+    text_decoder: the serving tokenizer (see Engine)."""
     model_cfg = runner.model_cfg
     handler = None
     if config.custom_module:
@@ -98,7 +100,8 @@ def build_engine(config: EngineConfig, runner: ModelRunner,
         enable_prefix_caching=config.enable_prefix_caching,
         custom_output_reuse=config.custom_output_reuse, seed=config.seed,
         output_workers=config.output_workers)
-    return Engine(runner, options, handler, channel.send if channel else (lambda plan: None))
+    return Engine(runner, options, handler, channel.send if channel else (lambda plan: None),
+                  text_decoder)
 
 
 def start_rank(config: EngineConfig, expected_tp: int | None = None

@@ -13,17 +13,20 @@ from typing import Callable
 
 import torch
 
-from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput, SequenceOutput
+from api.detokenizer import Decoder
+from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput
 from coordinator.beam_search import BeamSearch
 from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
                                         encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
+from coordinator.outputs import request_output
 from coordinator.planner import PlanRows, Planner
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
+from coordinator.stop_strings import kept_output_tokens, truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
 from ranks.plan import StepPlan
 from ranks.runner import ModelRunner, StepOutput
@@ -49,13 +52,17 @@ class EngineOptions:
 
 class Engine:
     def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
-                 send_plan: Callable[[StepPlan], None] = lambda plan: None):
+                 send_plan: Callable[[StepPlan], None] = lambda plan: None,
+                 text_decoder: Decoder | None = None):
+        """text_decoder: the serving tokenizer, for stop strings of LAST_GENERATED requests
+        (coordinator/stop_strings.py); without it only the API process sees stop strings."""
         capacity = runner.num_blocks * runner.cfg.block_size
         if options.max_model_len > capacity:  # one sequence must always fit the KV cache
             log.warning("max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
                         options.max_model_len, capacity, capacity)
             options = replace(options, max_model_len=capacity)
         self.runner, self.options, self.handler = runner, options, handler
+        self.text_decoder = text_decoder
         self.send_plan = send_plan
         self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
                                    options.enable_prefix_caching)
@@ -70,6 +77,7 @@ class Engine:
         self._custom_pending: list[tuple[Sequence, object]] = []  # (sequence, Future of its value)
         self._arrivals = count()
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self._stop_cuts: list[tuple[Sequence, int]] = []  # (sequence, output tokens to keep)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -84,6 +92,9 @@ class Engine:
                           custom_position=pos, **self._decode_checks(params, len(prompt_token_ids)))
         if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
             request.reuse_cap_tokens = pos  # reuse stops below the selected token
+        if params.num_beams == 1 and watches_stop_strings(request, self.text_decoder):
+            request.watch_stop_strings = True
+            request.max_total_tokens = 0  # every new token goes through _check_stop
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -93,7 +104,7 @@ class Engine:
         return dict(stop_token_set=frozenset(eos) | frozenset(params.stop_token_ids),
                     max_total_tokens=min(prompt_len + params.max_new_tokens,
                                          self.options.max_model_len),
-                    plain_sampling=_plain_sampling(params))
+                    plain_sampling=params.plain)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -133,6 +144,10 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._ready = self._ready, []
+        for seq, kept in self._stop_cuts:  # cut by a stop string in the last step
+            if seq.scoring_reason is not None and not seq.is_finished:
+                truncate_output(seq, kept)
+        self._stop_cuts = []
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -317,9 +332,24 @@ class Engine:
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
+        if seq.request.watch_stop_strings and self._cut_by_stop_string(seq):
+            return
         reason = self._stop_reason(seq, token)
         if reason:
             self._finish_seq(seq, reason)
+
+    def _cut_by_stop_string(self, seq: Sequence) -> bool:
+        """A stop string matched: finish "stop"; the last kept token is scored in the next
+        step (none kept: no value). The tokens after it are dropped only once this step's
+        output carried them, so the API process sees the same tokens and cuts its text at
+        the same place."""
+        kept = kept_output_tokens(seq, self.text_decoder)
+        if kept is None:
+            return False
+        if kept:
+            self._stop_cuts.append((seq, kept))
+        self._finish_seq(seq, "stop", score=kept > 0)
+        return True
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.request.params
@@ -333,10 +363,10 @@ class Engine:
         return None
 
     # ---- finishing -----------------------------------------------------------------------
-    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True) -> None:
+    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True, score: bool = True) -> None:
         if seq.is_finished:
             return
-        if reason in ("stop", "length") and self._scores_last_token(seq):
+        if reason in ("stop", "length") and score and self._scores_last_token(seq):
             seq.scoring_reason = reason  # held back: the next step computes its last token
             return
         seq.status = SeqStatus.FINISHED
@@ -364,50 +394,12 @@ class Engine:
         self._finish_request(request, "error")
 
     def _output(self, request: Request) -> RequestOutput:
-        """The request's news since its last output (called for every request a step
-        touched: keep it lean, it runs once per running request per step)."""
-        seqs = request.sequences
-        finished = (seqs[0].status is SeqStatus.FINISHED if len(seqs) == 1
-                    else request.is_finished)
-        if finished:
+        output = request_output(request, self.beams)
+        if output.finished:
             self.requests.pop(request.request_id, None)
-        params = request.params
-        if params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
-            reason = seqs[0].finish_reason
-            outs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
-                    for i in range(params.n)]
-        elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
-            outs = self.beams.final_outputs(request) if finished else []
-        else:
-            outs = [_seq_output(s, params.logprobs) for s in seqs]
-        # positional: RequestOutput's field order (request_id, accepted, sequences, finished,
-        # custom_output, error_code, error_message, num_prompt_tokens, num_cached_tokens)
-        return RequestOutput(request.request_id, True, outs, finished, request.custom_output,
-                             request.error_code, request.error_message,
-                             len(request.prompt_token_ids), request.num_cached_tokens)
+        return output
 
     def check_invariants(self) -> None:
         self.blocks.check_invariants()
         owned = sum(len(s.block_table) for r in self.requests.values() for s in r.live_sequences)
         assert owned >= sum(1 for b in self.blocks.blocks if b.ref_count > 0)
-
-
-def _plain_sampling(p: SamplingParams) -> bool:
-    """True when a row needs only temperature, top-k, top-p and min-p: no logit processors
-    (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""
-    return (not p.logprobs and not p.logit_bias and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and not p.min_tokens
-            and p.seed is None)
-
-
-def _seq_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
-    """seq's output tokens (and logprobs) not sent yet; marks them sent."""
-    start = seq.num_emitted_tokens
-    token_ids = seq.token_ids
-    seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
-    # positional: SequenceOutput's field order (index, new_token_ids, new_logprobs,
-    # new_top_logprobs, finish_reason, cumulative_logprob, custom_output)
-    return SequenceOutput(seq.index, token_ids[seq.num_prompt_tokens + start:],
-                          seq.logprobs[start:] if with_logprobs else None,
-                          seq.top_logprobs[start:] if with_logprobs else None,
-                          seq.finish_reason, seq.cumulative_logprob, seq.custom_output)

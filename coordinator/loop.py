@@ -112,8 +112,9 @@ class CoordinatorLoop:
             return self._rejection(msg.request_id, e.code, e.message)
         except (ValueError, TypeError) as e:
             return self._rejection(msg.request_id, wire.INVALID_PARAMS, str(e))
-        return wire.RequestOutput(msg.request_id, accepted=True,
-                                  num_prompt_tokens=len(msg.prompt_token_ids))
+        return wire.RequestOutput(
+            msg.request_id, accepted=True, num_prompt_tokens=len(msg.prompt_token_ids),
+            engine_stop_strings=self.engine.requests[msg.request_id].watch_stop_strings)
 
     @staticmethod
     def _rejection(request_id: str, code: int, message: str) -> wire.RequestOutput:

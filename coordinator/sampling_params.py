@@ -59,6 +59,14 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def plain(self) -> bool:
+        """Only temperature, top-k, top-p and min-p shape the choice: no logit processors
+        (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""
+        return (not self.logprobs and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.presence_penalty and not self.frequency_penalty
+                and not self.min_tokens and self.seed is None)
+
+    @property
     def num_sequences(self) -> int:
         """Sequences running at once: beams for beam search, else n."""
         return self.num_beams if self.num_beams > 1 else self.n

@@ -40,6 +40,8 @@ class Sequence:
     scoring_reason: str | None = None
     custom_output: dict | None = None
     hypothesis: object | None = None  # beam search: the finished Hypothesis this fork scores
+    # rank 0's stop-string detokenizer (coordinator/stop_strings.py), for LAST_GENERATED only
+    stop_detokenizer: object | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,7 @@ class Request:
     stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
     max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
     plain_sampling: bool = False  # no logit processors, logprobs or seed (Sampler.sample_plain)
+    watch_stop_strings: bool = False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
     error_code: int | None = None
     error_message: str | None = None
 

@@ -206,6 +206,16 @@ def test_wire_field_is_optional() -> None:
     assert wire.decode(raw) == plain
 
 
+def test_engine_stop_strings_flag_on_the_wire() -> None:
+    """Sent (true) on the accept answer of a request whose stop strings rank 0 watches,
+    absent otherwise (the per-step outputs stay as small as before)."""
+    flagged = wire.Outputs([wire.RequestOutput("r", engine_stop_strings=True)])
+    assert wire.decode(wire.encode(flagged)) == flagged
+    plain = wire.Outputs([wire.RequestOutput("r")])
+    assert b"engine_stop_strings" not in wire.encode(plain)
+    assert wire.decode(wire.encode(plain)) == plain
+
+
 # ---- HTTP (live server: demo model, demo head; `{"position": -2}` selects LAST_GENERATED) ---
 
 
@@ -250,13 +260,77 @@ def test_http_per_choice_values(http, offline) -> None:
     assert len(with_value) == 1 and with_value[0]["choices"][0]["finish_reason"] == "length"
     np.testing.assert_allclose(with_value[0]["choices"][0]["extra_outputs"]["custom_output"],
                                expected, rtol=1e-4, atol=1e-5)
-    # a stop string cuts the text where the engine cannot know: the value is dropped
-    text = res["choices"][0]["text"]
-    stop = text.strip()[:2]
-    if stop:
-        cut = http.post("/v1/completions", json={**req, "temperature": 0.0, "stop": [stop]}).json()
-        assert cut["choices"][0]["finish_reason"] == "stop"
-        assert "extra_outputs" not in cut["choices"][0] and "extra_outputs" not in cut
+    check_stop_string_cut(http, offline, ids, req)
     # max_tokens = 0 with LAST_GENERATED: 605
     bad = http.post("/v1/completions", json={**req, "max_tokens": 0})
     assert bad.status_code == 400 and "605" in bad.text
+
+
+def _token_aligned_stop(decode, out_ids: list[int]) -> int | None:
+    """An index k whose token's text starts right where out_ids[:k]'s text ends and does not
+    occur before it: a stop string equal to that text cuts exactly before token k."""
+    for k in range(1, len(out_ids)):
+        before, piece = decode(out_ids[:k]), decode(out_ids[k:k + 1])
+        if piece.strip() and before + piece == decode(out_ids[:k + 1]) and piece not in before:
+            return k
+    return None
+
+
+def check_stop_string_cut(http, offline, ids: list[int], req: dict) -> None:
+    """A stop string cuts the text; rank 0 cuts at the same token (it detects stop strings of
+    LAST_GENERATED requests itself) and scores the last kept token: the value is the head on
+    prompt + the kept tokens, also in the final streamed chunk; with the stop string included
+    in the output, the token that completed it is kept and scored."""
+    import numpy as np
+    from tests.api_helpers import sse_events, sse_json
+
+    def decode(tokens: list[int]) -> str:
+        return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    sampled = {"temperature": 1.0, "seed": 3}  # seeded: the same tokens in every request
+    out_ids = http.post("/generate", json={
+        "prompt": "The lighthouse keeper said", "custom_output_params": LAST,
+        "generate_config": {"max_new_tokens": 16, **sampled, "return_output_ids": True}}
+    ).json()["output_ids"]
+    k = _token_aligned_stop(decode, out_ids)
+    assert k is not None, f"no token-aligned stop string in {out_ids}"
+    stop = decode(out_ids[k:k + 1])
+    body = {**req, "max_tokens": 16, **sampled, "stop": [stop]}
+    cut = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == decode(out_ids[:k])
+    kept_value = _expected(offline, ids + out_ids[:k])
+    np.testing.assert_allclose(cut["extra_outputs"]["custom_output"], kept_value,
+                               rtol=1e-4, atol=1e-5)
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        chunks = sse_json(sse_events(resp))
+    final = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "stop"
+    np.testing.assert_allclose(final[0]["choices"][0]["extra_outputs"]["custom_output"],
+                               kept_value, rtol=1e-4, atol=1e-5)
+    included = http.post("/v1/completions",
+                         json={**body, "include_stop_str_in_output": True}).json()["choices"][0]
+    assert included["text"] == decode(out_ids[:k + 1])
+    np.testing.assert_allclose(included["extra_outputs"]["custom_output"],
+                               _expected(offline, ids + out_ids[:k + 1]), rtol=1e-4, atol=1e-5)
+
+
+def test_stop_string_scores_the_last_kept_token(ckpt, ref, tmp_path_factory) -> None:
+    """Rank 0 detects a LAST_GENERATED request's stop strings (given the serving tokenizer;
+    here the demo model's, which decodes this checkpoint's ids): the value is the head on
+    transformers' hidden state of prompt + the tokens of the kept text; the tokens after it
+    are dropped (the output carried them first, so the API process cuts in the same place)."""
+    from api.tokenizer import TextTokenizer
+    from model.demo import ensure_demo_checkpoint
+    decoder = TextTokenizer.from_dir(ensure_demo_checkpoint(tmp_path_factory.mktemp("d") / "demo"))
+    llm = make_llm(ckpt)
+    llm.engine.text_decoder = decoder
+    ids, sampled = prompt(15, 80), dict(max_new_tokens=16, temperature=1.0, seed=4)
+    out = run(llm, [("free", ids, SamplingParams(**sampled), LAST)]).tokens("free")[0]
+    k = _token_aligned_stop(decoder.decode, out)
+    assert k is not None, out
+    r = run(llm, [("cut", ids, SamplingParams(**sampled, stop=[decoder.decode(out[k:k + 1])]), LAST),
+                  ("other", prompt(9, 81), greedy(max_new_tokens=6), LAST)])
+    one_call_per_step(r)
+    assert r.finish_reasons("cut") == {0: "stop"} and r.tokens("cut")[0] == out[:k + 1]
+    assert_close(seq_values(r, "cut")[0], ref.head(ids + out[:k], len(ids) + k - 1))
+    check_values(r, "other", prompt(9, 81), ref)
+    assert_no_leaks(llm)

@@ -1,0 +1,44 @@
+"""Stop strings on rank 0, for sequences whose last generated token is scored.
+
+Stop strings are otherwise the API process's business: it cuts the text and aborts the rest.
+But LAST_GENERATED (-2) must score the last token *kept* after the cut, and only rank 0 can
+run that step, so for those requests rank 0 detects the stop strings itself, with the same
+incremental detokenizer, tokenizer and rules as the API (api/detokenizer.py), so both cut at
+the same token. The sequence is then truncated to its kept tokens and finishes with "stop",
+its last kept token scored in the next step; the API waits for that final output
+(`RequestOutput.engine_stop_strings`).
+"""
+from __future__ import annotations
+
+from api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker
+from coordinator.sequence import Sequence
+
+
+def watches_stop_strings(request, decoder: Decoder | None) -> bool:
+    """Whether rank 0 must detect this request's stop strings (see the module docstring)."""
+    from coordinator.custom_outputs import LAST_GENERATED
+    return (decoder is not None and bool(request.params.stop)
+            and request.custom_position == LAST_GENERATED)
+
+
+def kept_output_tokens(seq: Sequence, decoder: Decoder) -> int | None:
+    """Feed seq's new output tokens to its detokenizer; once a stop string matched, the number
+    of output tokens to keep, else None."""
+    detok = seq.stop_detokenizer
+    if detok is None:  # first call, or a fresh fork: start from all of its output so far
+        p = seq.request.params
+        detok = seq.stop_detokenizer = IncrementalDetokenizer(
+            decoder, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens,
+            StopChecker(p.stop, p.include_stop_str_in_output))
+    detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:])
+    return detok.kept_tokens if detok.stopped else None
+
+
+def truncate_output(seq: Sequence, kept: int) -> None:
+    """Drop output tokens after the first `kept` (> 0), and their logprobs. The last kept token
+    is computed again in the scoring step (a decode row at its own position): its KV is
+    rewritten in its own slot, copy-on-write if the block is shared."""
+    del seq.token_ids[seq.num_prompt_tokens + kept:]
+    del seq.logprobs[kept:]
+    del seq.top_logprobs[kept:]
+    seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
