@@ -121,6 +121,7 @@ class IncrementalDetokenizer:
             if grown:
                 old_len = len(self.text)
                 self.text += grown
+                self._ends[-1] = len(self.text)  # the held characters were the last token's
                 cut = self.stop.find(self.text, old_len)
                 if cut is not None:
                     self.text, self.stopped = self.text[:cut], True

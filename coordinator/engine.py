@@ -332,18 +332,21 @@ class Engine:
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        if seq.request.watch_stop_strings and self._cut_by_stop_string(seq):
+        watch = seq.request.watch_stop_strings
+        if watch and self._cut_by_stop_string(seq):
             return
         reason = self._stop_reason(seq, token)
+        if reason and watch and self._cut_by_stop_string(seq, final=True):
+            return  # a stop string in the characters held until the end
         if reason:
             self._finish_seq(seq, reason)
 
-    def _cut_by_stop_string(self, seq: Sequence) -> bool:
+    def _cut_by_stop_string(self, seq: Sequence, final: bool = False) -> bool:
         """A stop string matched: finish "stop"; the last kept token is scored in the next
         step (none kept: no value). The tokens after it are dropped only once this step's
         output carried them, so the API process sees the same tokens and cuts its text at
         the same place."""
-        kept = kept_output_tokens(seq, self.text_decoder)
+        kept = kept_output_tokens(seq, self.text_decoder, final)
         if kept is None:
             return False
         if kept:

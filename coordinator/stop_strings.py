@@ -21,9 +21,10 @@ def watches_stop_strings(request, decoder: Decoder | None) -> bool:
             and request.custom_position == LAST_GENERATED)
 
 
-def kept_output_tokens(seq: Sequence, decoder: Decoder) -> int | None:
+def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False) -> int | None:
     """Feed seq's new output tokens to its detokenizer; once a stop string matched, the number
-    of output tokens to keep, else None."""
+    of output tokens to keep, else None. final: the sequence ends here (length, EOS), so the
+    characters held for completion are flushed and checked too, as the API does."""
     detok = seq.stop_detokenizer
     if detok is None:  # first call, or a fresh fork: start from all of its output so far
         p = seq.request.params
@@ -31,6 +32,8 @@ def kept_output_tokens(seq: Sequence, decoder: Decoder) -> int | None:
             decoder, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens,
             StopChecker(p.stop, p.include_stop_str_in_output))
     detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:])
+    if final:
+        detok.finish()
     return detok.kept_tokens if detok.stopped else None
 
 

@@ -118,6 +118,23 @@ def test_detokenizer_stop_strings(tok):
     assert kept.num_tokens < len(ids)
 
 
+def test_detokenizer_kept_tokens(tok):
+    """The output tokens the kept text needs (rank 0 scores the last one, LAST_GENERATED):
+    independent of how the stop string falls on token boundaries, checked by decoding."""
+    text = "one two three four five six 😀 end"
+    ids = tok.encode(text)
+    for stop, include in [("four", False), ("four", True), ("hree f", False), ("one", False),
+                          ("😀", False), ("😀 e", True), ("absent", False)]:
+        _, d = _stream(tok, ids, stop=[stop], include=include)
+        k = d.kept_tokens
+        if stop == "absent":
+            assert not d.stopped and k == len(ids)
+            continue
+        assert d.stopped and tok.decode(ids[:k]).startswith(d.text), (stop, include, k)
+        # and no fewer tokens would do (nothing kept: none)
+        assert (k == 0) == (d.text == "") and (k == 0 or not tok.decode(ids[:k - 1]).startswith(d.text))
+
+
 def test_detokenizer_skip_special_tokens(tok):
     ids = tok.encode("hi<|im_end|>")
     _, d = _stream(tok, ids)
