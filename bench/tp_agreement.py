@@ -39,19 +39,13 @@ def sequences(num: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def score(args) -> None:
-    from coordinator.config import EngineConfig, build_engine, start_rank
+    from coordinator.config import EngineConfig, rank0_engine, stop_group
     from coordinator.sampling_params import SamplingParams
-    from ranks.group import shutdown_distributed
-    from ranks.plan import StepKind, StepPlan
-    from ranks.worker import run_worker
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          max_model_len=1024)
-    ctx, runner, channel = start_rank(config)
-    if not ctx.is_driver:
-        run_worker(runner, channel)
-        shutdown_distributed()
-        return
-    engine = build_engine(config, runner, channel)
+    started = rank0_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                        max_model_len=1024))
+    if started is None:
+        return  # a worker rank, done
+    ctx, engine, channel = started
     params = SamplingParams(max_new_tokens=1, temperature=0, logprobs=True, top_logprobs=2)
     seqs = sequences(args.num_seqs, args.prompt_len + args.positions, engine.options.vocab_size)
     for i, seq in enumerate(seqs):
@@ -63,10 +57,8 @@ def score(args) -> None:
             if out.finished and out.sequences and out.sequences[0].new_top_logprobs:
                 (t1, l1), (_, l2) = out.sequences[0].new_top_logprobs[0][:2]
                 top[out.request_id] = [t1, l1 - l2]
-    if channel:
-        channel.send(StepPlan(kind=StepKind.STOP))
     Path(args.json).write_text(json.dumps({"tp": ctx.world_size, "top1": top}))
-    shutdown_distributed()
+    stop_group(channel)
 
 
 def compare(args) -> None:

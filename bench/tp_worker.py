@@ -14,11 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.offline import config_dir, workload  # noqa: E402
-from coordinator.config import EngineConfig, build_engine, start_rank  # noqa: E402
+from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from ranks.group import shutdown_distributed  # noqa: E402
-from ranks.plan import StepKind, StepPlan  # noqa: E402
-from ranks.worker import run_worker  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -84,12 +81,11 @@ def main() -> None:
     config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
                           device=args.device, max_model_len=args.max_model_len,
                           enable_prefix_caching=False)
-    ctx, runner, channel = start_rank(config)
-    if not ctx.is_driver:
-        run_worker(runner, channel)
-        shutdown_distributed()
-        return
-    engine = build_engine(config, runner, channel)
+    started = rank0_engine(config)
+    if started is None:
+        return  # a worker rank, done
+    ctx, engine, channel = started
+    runner = engine.runner
     device = runner.device
     ttft_ms(engine, device, 16)  # warm-up
     figures = {
@@ -101,10 +97,8 @@ def main() -> None:
         "kv_gib_per_rank": round(runner.num_blocks * runner.block_bytes() / 2**30, 2),
         "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in runner.model.parameters()),
     }
-    if channel:
-        channel.send(StepPlan(kind=StepKind.STOP))
     Path(args.json).write_text(json.dumps(figures))
-    shutdown_distributed()
+    stop_group(channel)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
 from model.layers import TPGroup
 from model.loader import resolve_dtype
-from ranks.group import DistContext, PlanChannel, init_distributed
+from ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
+from ranks.plan import StepKind, StepPlan
 from ranks.runner import ModelRunner, RunnerConfig
 from ranks.worker import ignore_termination_signals
 
@@ -117,3 +118,23 @@ def start_rank(config: EngineConfig, expected_tp: int | None = None
         ignore_termination_signals()
     runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
     return ctx, runner, PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+
+
+def rank0_engine(config: EngineConfig) -> tuple[DistContext, Engine, PlanChannel | None] | None:
+    """For scripts run under torchrun (benchmarks, tests): join the group; ranks other than 0
+    run the worker loop until the stop plan, leave the group and get None; rank 0 gets its
+    engine. Rank 0 ends the group with `stop_group(channel)`."""
+    from ranks.worker import run_worker
+    ctx, runner, channel = start_rank(config)
+    if not ctx.is_driver:
+        run_worker(runner, channel)
+        shutdown_distributed()
+        return None
+    return ctx, build_engine(config, runner, channel), channel
+
+
+def stop_group(channel: PlanChannel | None) -> None:
+    """Rank 0: send the stop plan (with several ranks) and leave the group."""
+    if channel:
+        channel.send(StepPlan(kind=StepKind.STOP))
+    shutdown_distributed()

@@ -12,22 +12,17 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 torch.set_num_threads(1)
 
-from coordinator.config import EngineConfig, build_engine, start_rank  # noqa: E402
+from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from ranks.group import shutdown_distributed  # noqa: E402
-from ranks.plan import StepKind, StepPlan  # noqa: E402
-from ranks.worker import run_worker  # noqa: E402
 
 
 def main(spec_file: str, out_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     config = EngineConfig(**{"device": "cpu", **spec["engine"]})  # CPU unless the spec says cuda
-    ctx, runner, channel = start_rank(config)
-    if not ctx.is_driver:
-        run_worker(runner, channel)
-        shutdown_distributed()
-        return
-    engine = build_engine(config, runner, channel)
+    started = rank0_engine(config)
+    if started is None:
+        return  # a worker rank, done
+    ctx, engine, channel = started
     results = {}
     preemptions = [0]
     schedule = engine.scheduler.schedule
@@ -54,10 +49,8 @@ def main(spec_file: str, out_file: str) -> None:
     results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
     results["_preemptions"] = preemptions[0]
     results["_backend"] = dist.get_backend() if dist.is_initialized() else None
-    if channel:
-        channel.send(StepPlan(kind=StepKind.STOP))
     Path(out_file).write_text(json.dumps(results))
-    shutdown_distributed()
+    stop_group(channel)
 
 
 if __name__ == "__main__":
