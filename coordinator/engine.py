@@ -26,6 +26,7 @@ from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
+from coordinator.validation import validate_prompt
 from coordinator.stop_strings import kept_output_tokens, truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
 from ranks.plan import StepPlan
@@ -85,7 +86,7 @@ class Engine:
         """Validate and queue a request; raises RequestError (605/606) and queues nothing."""
         if request_id in self.requests:
             raise RequestError(INVALID_PARAMS, f"duplicate request id {request_id!r}")
-        self._validate_prompt(prompt_token_ids, params)
+        validate_prompt(prompt_token_ids, params, self.options, self.blocks)
         pos = select_position(self.handler, prompt_token_ids, custom_output_params,
                               params.max_new_tokens)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
@@ -105,27 +106,6 @@ class Engine:
                     max_total_tokens=min(prompt_len + params.max_new_tokens,
                                          self.options.max_model_len),
                     plain_sampling=params.plain)
-
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise RequestError(INVALID_PARAMS, "prompt is empty")
-        if len(ids) >= self.options.max_model_len:
-            raise RequestError(INVALID_PARAMS, f"prompt is {len(ids)} tokens; the model's context "
-                                               f"is {self.options.max_model_len} (prompt too long)")
-        bad = [t for t in ids if not 0 <= t < self.options.vocab_size]
-        if bad:
-            raise RequestError(INVALID_PARAMS, f"prompt token ids outside the vocabulary "
-                                               f"[0, {self.options.vocab_size}): {bad[:5]}")
-        if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
-            if params.num_beams > self.options.scheduler.max_num_batched_tokens:
-                raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "
-                                                   f"max_num_batched_tokens")
-            longest = min(len(ids) + params.max_new_tokens, self.options.max_model_len)
-            need = params.num_beams * self.blocks.blocks_needed(longest)
-            if need > self.blocks.num_blocks:
-                raise RequestError(INVALID_PARAMS, f"request needs {need} KV blocks for its "
-                                                   f"{params.num_beams} beams; the KV cache holds "
-                                                   f"{self.blocks.num_blocks}")
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""

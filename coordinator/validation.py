@@ -1,0 +1,36 @@
+"""Request checks at admission (the engine's 605s for prompts and beams)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from api.wire import INVALID_PARAMS
+from coordinator.blocks import BlockManager
+from coordinator.custom_outputs import RequestError
+from coordinator.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from coordinator.engine import EngineOptions
+
+
+def validate_prompt(ids: list[int], params: SamplingParams, options: "EngineOptions",
+                    blocks: BlockManager) -> None:
+    """Raise RequestError (605) for a prompt the engine cannot run; queue nothing."""
+    if not ids:
+        raise RequestError(INVALID_PARAMS, "prompt is empty")
+    if len(ids) >= options.max_model_len:
+        raise RequestError(INVALID_PARAMS, f"prompt is {len(ids)} tokens; the model's context "
+                                           f"is {options.max_model_len} (prompt too long)")
+    bad = [t for t in ids if not 0 <= t < options.vocab_size]
+    if bad:
+        raise RequestError(INVALID_PARAMS, f"prompt token ids outside the vocabulary "
+                                           f"[0, {options.vocab_size}): {bad[:5]}")
+    if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
+        if params.num_beams > options.scheduler.max_num_batched_tokens:
+            raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "
+                                               f"max_num_batched_tokens")
+        longest = min(len(ids) + params.max_new_tokens, options.max_model_len)
+        need = params.num_beams * blocks.blocks_needed(longest)
+        if need > blocks.num_blocks:
+            raise RequestError(INVALID_PARAMS, f"request needs {need} KV blocks for its "
+                                               f"{params.num_beams} beams; the KV cache holds "
+                                               f"{blocks.num_blocks}")
