@@ -126,8 +126,9 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
     from coordinator.loop import CoordinatorLoop, LoopSettings
     ipc_dir = tempfile.mkdtemp(prefix="tapserve-")  # mode 0700
     try:
-        loop = CoordinatorLoop(engine, LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests),
-                               channel, None)
+        launcher = os.getppid() if "RANK" in os.environ else None  # torchrun or --nproc-per-node
+        loop = CoordinatorLoop(engine, LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests,
+                                                    launcher), channel, None)
         loop.install_signal_handlers()
         model_dir = config.model_dir()
         api = ApiConfig(

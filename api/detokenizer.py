@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
-_PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
+PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
 _MAX_HELD_TOKENS = 8  # give up waiting for a character to complete after this many tokens
 
 
@@ -60,7 +60,7 @@ class IncrementalDetokenizer:
         self.decoder = decoder
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or StopChecker()
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # all output text decoded so far (cut at a stop string)
@@ -92,8 +92,10 @@ class IncrementalDetokenizer:
 
     @property
     def kept_tokens(self) -> int:
-        """Output tokens needed for the kept text: after a stop-string cut, up to the token
-        that produced the last kept character (0 when nothing is kept)."""
+        """Output tokens up to the one that produced the last kept character, after a stop-
+        string cut (0 when nothing is kept). An upper bound: characters held for an
+        incomplete UTF-8 sequence are credited to the token that completed or broke it
+        (coordinator/stop_strings.py settles the exact count by decoding)."""
         if not self.stopped:
             return self.num_tokens
         return bisect.bisect_left(self._ends, len(self.text)) + 1 if self.text else 0

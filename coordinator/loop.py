@@ -8,6 +8,7 @@ in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an err
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -34,6 +35,9 @@ class LoopSettings:
     ipc_dir: str
     shutdown_timeout: float = 10.0
     log_requests: bool = False
+    # the launcher's pid (torchrun's agent, or launch.py --nproc-per-node): if it goes away
+    # (SIGKILL, OOM), the group stops instead of serving on as orphans holding the port
+    launcher_pid: int | None = None
 
 
 class CoordinatorLoop:
@@ -66,6 +70,10 @@ class CoordinatorLoop:
             while True:
                 if self.api_process is not None and self.api_process.poll() is not None:
                     log.error("API process exited with %s; stopping", self.api_process.returncode)
+                    return 1
+                if self.settings.launcher_pid is not None \
+                        and os.getppid() != self.settings.launcher_pid:
+                    log.error("the launcher (pid %d) is gone; stopping", self.settings.launcher_pid)
                     return 1
                 self._receive(block=not self.engine.has_work())
                 if self.stop_requested_at is not None:

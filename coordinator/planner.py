@@ -159,10 +159,12 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
 
 
 def _decode_rows(seqs: list[Sequence]) -> tuple[PlanRows, np.ndarray, np.ndarray]:
-    """Every row samples, except a LAST_GENERATED sequence scoring its last token (its row
-    goes to the handler) and a scoring-only request (max_new_tokens = 0) in its last step."""
+    """Every row samples, except: a LAST_GENERATED sequence scoring its last token (its row
+    goes to the handler), and a prompt whose last token alone is computed in this step (the
+    rest came from the prefix cache): it may be the selected token (a custom row too), and a
+    scoring-only request (max_new_tokens = 0) samples nothing."""
     special = [i for i, s in enumerate(seqs)
-               if s.scoring_reason is not None or s.request.params.max_new_tokens == 0]
+               if s.scoring_reason is not None or len(s.token_ids) == s.num_prompt_tokens]
     if not special:
         return PlanRows(list(seqs), []), np.arange(len(seqs), dtype=np.int64), np.zeros(0, np.int64)
     rows, logit_rows, custom_rows = PlanRows(), [], []
@@ -170,7 +172,11 @@ def _decode_rows(seqs: list[Sequence]) -> tuple[PlanRows, np.ndarray, np.ndarray
         if s.scoring_reason is not None:
             custom_rows.append(i)
             rows.custom_seqs.append(s)
-        elif s.request.params.max_new_tokens > 0:
+            continue
+        if s.request.params.max_new_tokens > 0:
             logit_rows.append(i)
             rows.logit_seqs.append(s)
+        if needs_custom_row(s, s.num_computed_tokens, 1):
+            custom_rows.append(i)
+            rows.custom_seqs.append(s)
     return rows, np.asarray(logit_rows, np.int64), np.asarray(custom_rows, np.int64)

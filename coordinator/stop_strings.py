@@ -10,7 +10,7 @@ its last kept token scored in the next step; the API waits for that final output
 """
 from __future__ import annotations
 
-from api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker
+from api.detokenizer import PROMPT_CONTEXT, Decoder, IncrementalDetokenizer, StopChecker
 from coordinator.sequence import Sequence
 
 
@@ -34,7 +34,23 @@ def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False) -> 
     detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:])
     if final:
         detok.finish()
-    return detok.kept_tokens if detok.stopped else None
+    if not detok.stopped:
+        return None
+    return _fewest_tokens_for(seq, decoder, detok.text, detok.kept_tokens)
+
+
+def _fewest_tokens_for(seq: Sequence, decoder: Decoder, kept_text: str, upper: int) -> int:
+    """The fewest output tokens whose text starts with kept_text. The detokenizer's count is
+    an upper bound: characters held for an incomplete UTF-8 sequence are credited to the token
+    that completed (or broke) it, which may lie past the cut; decoding settles it."""
+    p, skip = seq.num_prompt_tokens, seq.request.params.skip_special_tokens
+    context = seq.token_ids[max(0, p - PROMPT_CONTEXT):p]  # as the detokenizer's window
+    skipped = len(decoder.decode(context, skip))
+    k = upper
+    while k > 0 and decoder.decode(context + seq.token_ids[p:p + k - 1], skip)[skipped:] \
+            .startswith(kept_text):
+        k -= 1
+    return k
 
 
 def truncate_output(seq: Sequence, kept: int) -> None:

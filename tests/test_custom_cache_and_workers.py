@@ -54,6 +54,21 @@ def test_omit_policy(ckpt, ref) -> None:
     assert r.final("covered").custom_output is None and r.final("uncovered").custom_output
 
 
+@pytest.mark.parametrize("length", [BLOCK + 1, 2 * BLOCK + 1])
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 3])
+def test_last_prompt_token_alone_after_a_cache_hit(llm, ref, length, max_new_tokens) -> None:
+    """All but the last prompt token come from the prefix cache: that token is computed alone
+    (a decode-shaped step) and still gets its custom row; tokens are unchanged."""
+    ids = prompt(length, 700 + length + max_new_tokens)
+    params = greedy(max_new_tokens=max_new_tokens)
+    first = run(llm, [("first", ids, params, None)])  # default selector: the last token
+    again = run(llm, [("again", ids, params, None)])
+    assert again.final("again").num_cached_tokens == length - 1
+    for r, rid in ((first, "first"), (again, "again")):
+        assert_close(r.value(rid), ref.head(ids, length - 1))
+    assert again.tokens("again") == first.tokens("first")
+
+
 def test_recompute_policy(ckpt, ref) -> None:
     llm = make_llm(ckpt, custom_output_reuse="recompute")
     base, cases = reuse_case(seed=20)

@@ -20,11 +20,16 @@ def group_listeners(tmp_path, local: bool = False):
     """(HTTP port, launcher pid, [(pid, address, port)]) of a live 2-rank group."""
     server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
                             tmp_path, local=local)
+    pids = [server.proc.pid]
     try:
-        pids = [server.proc.pid, *descendants(server.proc.pid)]
+        pids += descendants(server.proc.pid)
         return server.port, server.proc.pid, listening_tcp(pids)
     finally:
-        os.killpg(server.proc.pid, signal.SIGKILL)
+        for pid in reversed(pids):  # the ranks run in sessions of their own under torchrun
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         server.proc.wait(10)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.api_helpers import free_port
 from tests.checkpoints import make_tiny_checkpoint
+from tests.proc_helpers import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +105,19 @@ def test_sigterm_ends_every_rank_when_idle(server):
     assert waited < 10, server.tail()
     time.sleep(0.5)
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), server.tail()
+
+
+def test_killed_launcher_takes_the_group_down(server):
+    """SIGKILL of torchrun's agent (or of the local launcher): rank 0 sees its parent change,
+    stops the group and the API process, so no orphan keeps serving (or holding the port)."""
+    group = descendants(server.proc.pid)
+    assert len(group) >= 3, group  # two ranks and the API process
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in group):
+        time.sleep(0.2)
+    alive = [p for p in group if Path(f"/proc/{p}").exists()]
+    for pid in alive:  # do not leak them into the rest of the run
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"still running after the launcher died: {alive}"
