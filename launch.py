@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from coordinator.config import EngineConfig
-from ranks.local_group import is_local_rank, run_local_group
+from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
 
 DEMO_HEAD = "model.demo:DemoHead"
 
@@ -124,7 +124,9 @@ def serving_text_decoder(config: EngineConfig):
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
     from api.server import ApiConfig
     from coordinator.loop import CoordinatorLoop, LoopSettings
-    ipc_dir = tempfile.mkdtemp(prefix="tapserve-")  # mode 0700
+    group_dir = os.path.dirname(os.environ.get(STORE_ENV, "")) or None  # local launcher's
+    ipc_dir = tempfile.mkdtemp(prefix="tapserve-", dir=group_dir)  # 0700; the launcher removes
+    # its group directory even when rank 0 is killed
     try:
         launcher = os.getppid() if "RANK" in os.environ else None  # torchrun or --nproc-per-node
         loop = CoordinatorLoop(engine, LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests,

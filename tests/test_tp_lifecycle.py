@@ -121,3 +121,28 @@ def test_killed_launcher_takes_the_group_down(server):
     for pid in alive:  # do not leak them into the rest of the run
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"still running after the launcher died: {alive}"
+
+
+def test_local_group_killed_rank0_leaves_no_ipc_directory(tmp_path):
+    """Under `launch.py --nproc-per-node`, rank 0's 0700 ipc directory lives in the launcher's
+    group directory, which the launcher removes even when rank 0 is SIGKILLed."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path, local=True)
+    try:
+        rank0 = server.rank_pid(0)
+        env = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
+        store = next(e for e in env if e.startswith(b"TAPSERVE_STORE_FILE=")).split(b"=", 1)[1]
+        group_dir = Path(store.decode()).parent
+        assert [p.name for p in group_dir.iterdir() if p.name.startswith("tapserve-")]
+        group = descendants(server.proc.pid)  # both ranks and the API process
+        os.kill(rank0, signal.SIGKILL)
+        rc, waited = server.wait_exit(30)
+        assert rc != 0 and waited < 30, server.tail()
+        assert not group_dir.exists()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in group):
+            time.sleep(0.2)
+        assert not [p for p in group if Path(f"/proc/{p}").exists()], "orphans left"
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
