@@ -11,12 +11,12 @@ its last kept token scored in the next step; the API waits for that final output
 from __future__ import annotations
 
 from api.detokenizer import PROMPT_CONTEXT, Decoder, IncrementalDetokenizer, StopChecker
-from coordinator.sequence import Sequence
+from coordinator.custom_outputs import LAST_GENERATED
+from coordinator.sequence import Request, Sequence
 
 
-def watches_stop_strings(request, decoder: Decoder | None) -> bool:
+def watches_stop_strings(request: Request, decoder: Decoder | None) -> bool:
     """Whether rank 0 must detect this request's stop strings (see the module docstring)."""
-    from coordinator.custom_outputs import LAST_GENERATED
     return (decoder is not None and bool(request.params.stop)
             and request.custom_position == LAST_GENERATED)
 
