@@ -9,6 +9,7 @@ native error_code.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -71,8 +72,14 @@ def sse_error_event(error: ApiError, path: str) -> str:
     return f"data: {json.dumps(error_body(error, path))}\n\n"
 
 
+# pydantic names the member of a union it tried in the location ("stop.str",
+# "stop.list[str].0"): that is the schema's wording, not the client's field
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|[a-z-]+\[.*)$")
+
+
 def _field_name(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for p in loc
+             if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.match(p))]
     return ".".join(parts) or "body"
 
 

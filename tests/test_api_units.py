@@ -193,3 +193,13 @@ def test_gate_auth_and_body_limit():
     assert nokey.status_code == 401 and nokey.json()["error_code"] == 401
     assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
     assert health.status_code == 200
+
+
+def test_validation_error_names_the_client_field_not_the_union_member():
+    from fastapi.exceptions import RequestValidationError
+    from api.errors import validation_error
+    for loc, name in [(("body", "stop", "str"), "stop"), (("body", "stop", "list[str]", 0), "stop.0"),
+                      (("body", "messages", 0, "content"), "messages.0.content")]:
+        err = validation_error(RequestValidationError(
+            [{"type": "string_type", "loc": loc, "msg": "Input should be a valid string"}]))
+        assert err.param == name and f"'{name}'" in err.message
