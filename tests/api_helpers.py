@@ -80,6 +80,9 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        if self.proc.returncode == 0:  # a clean stop: nothing left to debug in its log
+            self.log.close()
+            Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
 
 
