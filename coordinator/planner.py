@@ -41,13 +41,15 @@ class Planner:
         seqs = batch.seqs
         context_lens = np.asarray([len(s.token_ids) for s in seqs], np.int32)
         computed = np.asarray([s.num_computed_tokens for s in seqs], np.int32)
-        if sum(batch.num_new_tokens) == len(seqs) and (context_lens - computed == 1).all():
-            # every sequence computes one token, its newest: a decode step
+        # a decoding sequence computes one token, its newest
+        decoding = (context_lens - computed == 1) & (np.asarray(batch.num_new_tokens) == 1)
+        if decoding.all():
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
-        return _mixed_plan(batch, self.block_size, self.tables.gather(seqs))
+        kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
+        return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs))
 
 
-def _mixed_plan(batch: ScheduledBatch, block_size: int,
+def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int,
                 tables: np.ndarray) -> tuple[StepPlan, PlanRows]:
     """Prefill chunks and decode rows together, token by token."""
     ids: list[int] = []
@@ -76,7 +78,7 @@ def _mixed_plan(batch: ScheduledBatch, block_size: int,
             custom_rows.append(offset + seq.request.custom_position - start)
             rows.custom_seqs.append(seq)
     plan = StepPlan(
-        kind=_step_kind(batch),
+        kind=kind,
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
         context_lens=np.asarray(context_lens, np.int32), block_tables=tables,
@@ -87,14 +89,6 @@ def _mixed_plan(batch: ScheduledBatch, block_size: int,
 
 def _copies(batch: ScheduledBatch) -> np.ndarray:
     return np.asarray(batch.block_copies, np.int64).reshape(-1, 2)
-
-
-def _step_kind(batch: ScheduledBatch) -> StepKind:
-    decoding = [n == 1 and s.num_computed_tokens == len(s.token_ids) - 1
-                for s, n in zip(batch.seqs, batch.num_new_tokens)]
-    if all(decoding):
-        return StepKind.DECODE
-    return StepKind.MIXED if any(decoding) else StepKind.PREFILL
 
 
 class BlockTableBuffer:
