@@ -57,19 +57,13 @@ class LiveServer:
         return Path(self.log.name).read_text(errors="replace")[-chars:]
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"launch.py exited with {self.proc.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
+        state = wait_healthy(self.url, self.proc, timeout)
+        if state == "exited":
+            raise RuntimeError(f"launch.py exited with {self.proc.returncode}:\n"
+                               f"{self.log_tail()}")
+        if state == "timeout":
+            self.stop()
+            raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM and wait; SIGKILL the process group if it hangs. Returns the exit code."""
@@ -84,6 +78,22 @@ class LiveServer:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, interval: float = 0.3) -> str:
+    """Poll `url`/health until it answers 200: "healthy", "exited" (proc ended first) or
+    "timeout"."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return "exited"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return "healthy"
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    return "timeout"
 
 
 def sse_events(response: httpx.Response) -> list[str]:

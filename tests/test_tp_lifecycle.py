@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_helpers import free_port
+from tests.api_helpers import free_port, wait_healthy
 from tests.checkpoints import make_tiny_checkpoint
 from tests.proc_helpers import descendants
 
@@ -35,16 +35,9 @@ class TorchrunServer:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.tail()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("torchrun group not healthy:\n" + self.tail())
+        state = wait_healthy(self.url, self.proc, 180, interval=0.5)
+        assert state != "exited", self.tail()
+        assert state == "healthy", "torchrun group not healthy:\n" + self.tail()
 
     def tail(self) -> str:
         self.log.flush()
