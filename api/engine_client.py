@@ -215,7 +215,7 @@ class EngineClient:
     def _dispatch(self, message: object) -> None:
         self.last_message_time = time.monotonic()
         if isinstance(message, wire.Outputs):
-            for out in message.outputs:
+            for out in message:  # the token columns expanded
                 self.on_outputs(out)
                 group = self._routes.get(out.request_id)
                 if group is not None:

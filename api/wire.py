@@ -6,7 +6,7 @@ sides import this module. Custom outputs travel as {dtype, shape, data} with raw
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 
@@ -71,9 +71,23 @@ class RequestOutput:
 
 @dataclass
 class Outputs:
-    """Coordinator -> API: a batch of request outputs from one engine step."""
-    outputs: list[RequestOutput]
+    """Coordinator -> API: one engine step's news. The usual decode news of a request, one
+    new token for its only sequence with nothing else to say (n = 1, no beams, no logprobs,
+    not its first token, not finished), travels in two columns: request token_request_ids[i]
+    got token new_token_ids[i]. Everything else is a full RequestOutput in `outputs`.
+    Iterating yields every request's output, the columns expanded into RequestOutputs."""
+    outputs: list[RequestOutput] = field(default_factory=list)
+    token_request_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
     TYPE = "outputs"
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        yield from self.outputs
+        for request_id, token in zip(self.token_request_ids, self.new_token_ids):
+            yield RequestOutput(request_id, True, [SequenceOutput(0, [token])])
+
+    def __len__(self) -> int:
+        return len(self.outputs) + len(self.token_request_ids)
 
 
 @dataclass
@@ -104,7 +118,9 @@ def encode(message: Any) -> bytes:
     """msgpack bytes of a message (Outputs, the per-step hot path, without asdict's deep
     copies: same bytes, several times faster)."""
     if isinstance(message, Outputs):
-        body = {"outputs": [_output_body(o) for o in message.outputs]}
+        body = {"outputs": [_output_body(o) for o in message.outputs],
+                "token_request_ids": message.token_request_ids,
+                "new_token_ids": message.new_token_ids}
     else:
         body = asdict(message)
     body["type"] = message.TYPE
@@ -118,7 +134,8 @@ def decode(data: bytes) -> Any:
         raise ValueError("wire protocol version mismatch")
     cls = _MESSAGE_TYPES[body.pop("type")]
     if cls is Outputs:
-        return Outputs([_request_output(o) for o in body["outputs"]])
+        return Outputs([_request_output(o) for o in body["outputs"]],
+                       body["token_request_ids"], body["new_token_ids"])
     return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
 
 

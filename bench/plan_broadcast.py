@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from itertools import count
 from pathlib import Path
 
 import torch
@@ -40,10 +41,11 @@ def decode_batch(batch: int, context: int, block_size: int) -> ScheduledBatch:
         req = Request(str(i), [1] * (context - 1), SamplingParams(), i)
         seq = Sequence(i, req, [1] * context, context - 1, status=SeqStatus.RUNNING,
                        block_table=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                       num_computed_tokens=context - 1)
+                       num_computed_tokens=context - 1, block_table_version=i + 1)
         req.sequences.append(seq)
         out.seqs.append(seq)
         out.num_new_tokens.append(1)
+        out.context_lens.append(context)
     return out
 
 
@@ -53,6 +55,7 @@ def worker(rank: int, port: int, args, results) -> None:
     channel = PlanChannel(dist.group.WORLD)
     batch = decode_batch(args.batch, args.context, 16)
     planner = Planner(16)
+    stamps = count(args.batch + 1)  # block-table stamps are unique across sequences
     nbytes = len(encode_plan(planner.build(batch)[0]))
     bare = torch.zeros(nbytes, dtype=torch.uint8)
     timings: dict[str, float] = {}
@@ -64,7 +67,7 @@ def worker(rank: int, port: int, args, results) -> None:
                 dist.broadcast(bare, src=0)
             elif rank == 0:
                 for seq in batch.seqs[step % 16::16]:
-                    seq.block_table_version += 1  # as if it had just taken a new block
+                    seq.block_table_version = next(stamps)  # as if it had just taken a new block
                 channel.send(planner.build(batch)[0])
             else:
                 channel.recv()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import count
+from typing import Iterator
 
 from coordinator.sequence import Sequence
 
@@ -40,6 +42,9 @@ class BlockManager:
     free: "OrderedDict[int, None]" = field(init=False)  # block ids with ref_count 0, LRU first
     cached: dict[int, int] = field(init=False)  # hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # stamps for Sequence.block_table_version, unique across sequences: equal stamps mean the
+    # same table, so the planner's block-table buffer compares stamps alone
+    _table_stamps: Iterator[int] = field(init=False, default_factory=lambda: count(1))
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_size <= 0:
@@ -83,7 +88,7 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_fresh())
-        seq.block_table_version += 1
+        self._restamp(seq)
         num_cached = len(hits) * self.block_size
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching:
@@ -102,18 +107,18 @@ class BlockManager:
             src, dst = seq.block_table[i], self._take_fresh()
             self.blocks[src].ref_count -= 1  # still >= 1: the other sharers keep it
             seq.block_table[i] = dst
-            seq.block_table_version += 1
+            self._restamp(seq)
             copy = (src, dst)
         if self._needs_new_block(seq):
             seq.block_table.append(self._take_fresh())
-            seq.block_table_version += 1
+            self._restamp(seq, appended=True)
         return copy
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child. A partly filled last block is copied
         only when one of them writes into it (append_slot), so a fork allocates nothing."""
         child.block_table = list(parent.block_table)
-        child.block_table_version += 1
+        self._restamp(child)
         for block_id in child.block_table:
             self.blocks[block_id].ref_count += 1
 
@@ -125,7 +130,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table = []
-        seq.block_table_version += 1
+        self._restamp(seq)
         seq.num_hashed_blocks = 0
 
     def register_computed(self, seq: Sequence) -> None:
@@ -161,6 +166,11 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def _restamp(self, seq: Sequence, appended: bool = False) -> None:
+        """seq's block table changed; appended: only by blocks added at its end."""
+        seq.block_table_base = seq.block_table_version if appended else -1
+        seq.block_table_version = next(self._table_stamps)
 
     def _needs_new_block(self, seq: Sequence) -> bool:
         return seq.num_tokens > len(seq.block_table) * self.block_size

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
 
+import numpy as np
 import torch
 
 from api.detokenizer import Decoder
-from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, RequestOutput
+from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, Outputs, RequestOutput
 from coordinator.beam_search import BeamSearch
 from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
@@ -96,6 +97,10 @@ class Engine:
         if params.num_beams == 1 and watches_stop_strings(request, self.text_decoder):
             request.watch_stop_strings = True
             request.max_total_tokens = 0  # every new token goes through _check_stop
+        request.single = (params.n == 1 and params.num_beams == 1
+                          and not request.watch_stop_strings)
+        request.token_columns = (request.single and not params.logprobs
+                                 and params.max_new_tokens > 0)
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -104,8 +109,13 @@ class Engine:
         eos = [] if params.ignore_eos else self.options.eos_token_ids
         return dict(stop_token_set=frozenset(eos) | frozenset(params.stop_token_ids),
                     max_total_tokens=min(prompt_len + params.max_new_tokens,
-                                         self.options.max_model_len),
-                    plain_sampling=params.plain)
+                                         self.options.max_model_len))
+
+    @staticmethod
+    def _batch_draw(params: SamplingParams) -> str:
+        if params.num_beams > 1 or not params.plain:
+            return ""
+        return "greedy" if params.greedy else "plain"
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""
@@ -122,8 +132,9 @@ class Engine:
         return self.scheduler.has_work() or bool(self._ready)
 
     # ---- one step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        outputs, self._ready = self._ready, []
+    def step(self) -> Outputs:
+        """One engine step; its outputs (and those produced since the last step, e.g. aborts)."""
+        outputs, self._ready = Outputs(self._ready), []
         for seq, kept in self._stop_cuts:  # cut by a stop string in the last step
             if seq.scoring_reason is not None and not seq.is_finished:
                 truncate_output(seq, kept)
@@ -135,28 +146,47 @@ class Engine:
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
-        touched = self._postprocess(batch, plan, rows, result)
-        return outputs + [self._output(r) for r in touched]
+        self._postprocess(batch, plan, rows, result)
+        self._collect_outputs(batch, outputs)
+        return outputs
 
     def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
-                     result: StepOutput) -> list[Request]:
-        block_size = self.blocks.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:  # a block filled
-                self.blocks.register_computed(seq)
+                     result: StepOutput) -> None:
+        seqs = batch.seqs
+        for seq, context_len in zip(seqs, batch.context_lens):
+            seq.num_computed_tokens = context_len
+        size, after = self.blocks.block_size, plan.context_lens  # per row, as batch.context_lens
+        before = after - np.diff(plan.query_start_loc)
+        for i in np.flatnonzero(after // size != before // size).tolist():
+            self.blocks.register_computed(seqs[i])  # a block filled in this step
+        live = list(enumerate(rows.logit_seqs))
         if rows.custom_seqs:
             self._run_custom(result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
                              rows.custom_seqs)
-        live = [(i, s) for i, s in enumerate(rows.logit_seqs) if s.request.error_code is None]
+            live = [(i, s) for i, s in live if s.request.error_code is None]  # the handler failed
         if live:
             self._sample(result.logits, live)
         self._collect_custom()
-        touched = list(dict.fromkeys([s.request for s in batch.seqs]))
-        for request in touched:
+
+    def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs) -> None:
+        """One output per request the step touched: the usual decode news (one new token of
+        a running token_columns request, past its first) into the columns, all else in full."""
+        request_ids, new_tokens = outputs.token_request_ids, outputs.new_token_ids
+        full: dict[Request, None] = {}  # insertion-ordered set
+        running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
+        for seq in batch.seqs:
+            request, token_ids, emitted = seq.request, seq.token_ids, seq.num_emitted_tokens
+            if (request.token_columns and emitted and seq.status is running
+                    and len(token_ids) == seq.num_prompt_tokens + emitted + 1):
+                request_ids.append(request.request_id)
+                new_tokens.append(token_ids[-1])
+                seq.num_emitted_tokens = emitted + 1
+            else:
+                full[request] = None
+        for request in full:
             if request.params.max_new_tokens == 0:
                 self._finish_scoring_only(request)
-        return touched
+            outputs.outputs.append(self._output(request))
 
     def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
         """One handler call and one device-to-host copy for the step's rows; each request's
@@ -202,8 +232,12 @@ class Engine:
 
     # ---- sampling, forks, beams ---------------------------------------------------------
     def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> None:
+        draws = {s.request.batch_draw for _, s in live}
+        if "" not in draws:  # the usual decode step: one draw for the whole batch
+            self._draw_batch(logits, live, draws)
+            return
         if all([s.request.params.num_beams == 1 for _, s in live]):
-            self._sample_plain(logits, live)  # no beams: the common case
+            self._sample_rows(logits, live)  # no beams
             return
         beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
         plain = []
@@ -211,21 +245,24 @@ class Engine:
             (beam_groups.setdefault(seq.request, []) if seq.request.params.num_beams > 1
              else plain).append((i, seq))
         if plain:
-            self._sample_plain(logits, plain)
+            self._sample_rows(logits, plain)
         for request, group in beam_groups.items():
             idx = torch.tensor([i for i, _ in group], device=logits.device)
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
 
-    def _sample_plain(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
-        requests = [s.request for _, s in items]
-        if all([r.plain_sampling and r.forked for r in requests]):  # the usual decode step
-            if len(items) != logits.shape[0]:
-                logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
-            params = [r.params for r in requests]
-            tokens = (self.sampler.greedy(logits) if all([p.greedy for p in params])
-                      else self.sampler.sample_plain(logits, params))
-            self._append_plain(items, tokens)
-            return
+    def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
+                    draws: set[str]) -> None:
+        """Rows that are all batch_draw "greedy" or "plain": one argmax or one draw."""
+        if len(items) != logits.shape[0]:
+            logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
+        if draws == {"greedy"}:
+            tokens = self.sampler.greedy(logits)
+        else:
+            tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
+        self._append_plain(items, tokens)
+
+    def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        """A SampleRow per row; forks an unforked request into its n samples."""
         rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
                           self.options.eos_token_ids, seed_key=s.index,
                           num_samples=1 if s.request.forked else s.request.params.n)
@@ -237,6 +274,7 @@ class Engine:
             if not seq.request.forked:
                 targets += self._fork(seq, seq.request.params.n - 1)
                 seq.request.forked = True
+                seq.request.batch_draw = self._batch_draw(seq.request.params)
             for j, target in enumerate(targets):
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)

@@ -107,7 +107,7 @@ class CoordinatorLoop:
         if self.settings.log_requests:
             log.info("request %s: %d prompt tokens, params %s", msg.request_id,
                      len(msg.prompt_token_ids), msg.sampling_params)
-        self._send_outputs([self._admit(msg)])
+        self._send_outputs(wire.Outputs([self._admit(msg)]))
 
     def _admit(self, msg: wire.AddRequest) -> wire.RequestOutput:
         if self.stop_requested_at is not None:
@@ -129,9 +129,9 @@ class CoordinatorLoop:
         return wire.RequestOutput(request_id, accepted=False, finished=True,
                                   error_code=code, error_message=message)
 
-    def _send_outputs(self, outputs: list[wire.RequestOutput]) -> None:
-        if outputs:
-            self._send(wire.encode(wire.Outputs(outputs)))
+    def _send_outputs(self, outputs: wire.Outputs) -> None:
+        if len(outputs):
+            self._send(wire.encode(outputs))
 
     def _send(self, data: bytes) -> None:
         """Never blocks the engine: what the API cannot take now waits, in order."""

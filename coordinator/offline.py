@@ -44,7 +44,8 @@ class GenerationResult:
             c.logprobs += s.new_logprobs or []
             c.top_logprobs += s.new_top_logprobs or []
             c.finish_reason = s.finish_reason or c.finish_reason
-            c.cumulative_logprob = s.cumulative_logprob
+            if s.cumulative_logprob is not None:
+                c.cumulative_logprob = s.cumulative_logprob
             if s.custom_output is not None:
                 c.custom_output = decode_value(s.custom_output)
         if out.custom_output is not None:
@@ -52,7 +53,7 @@ class GenerationResult:
                 self.custom_output = decode_value(out.custom_output)
         elif out.finished and self.outputs:  # LAST_GENERATED: the last sequence's value
             self.custom_output = self.outputs[-1].custom_output
-        self.num_cached_tokens = out.num_cached_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.error_code, self.error_message = out.error_code, out.error_message
 
 

@@ -39,12 +39,13 @@ class Planner:
 
     def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
         seqs = batch.seqs
-        context_lens = np.asarray([len(s.token_ids) for s in seqs], np.int32)
-        computed = np.asarray([s.num_computed_tokens for s in seqs], np.int32)
         # a decoding sequence computes one token, its newest
-        decoding = (context_lens - computed == 1) & (np.asarray(batch.num_new_tokens) == 1)
-        if decoding.all():
+        one_token = np.asarray(batch.num_new_tokens) == 1
+        if one_token.all() and not batch.partial:
+            context_lens = np.asarray(batch.context_lens, np.int32)
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
+        computed = np.asarray([s.num_computed_tokens for s in seqs], np.int32)
+        decoding = one_token & (np.asarray([len(s.token_ids) for s in seqs]) - computed == 1)
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
         return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs))
 
@@ -93,28 +94,33 @@ def _copies(batch: ScheduledBatch) -> np.ndarray:
 
 class BlockTableBuffer:
     """The batch's block tables as one persistent [rows, width] int32 array. A row is rewritten
-    only when a different sequence holds it or its sequence's table changed (block_table_version),
-    so a steady decode batch costs a vectorized comparison, not a list-to-array copy per row."""
+    only when it holds a table of another stamp (Sequence.block_table_version: unique across
+    sequences, renewed on every change), so a steady decode batch costs a vectorized
+    comparison, not a list-to-array copy per row."""
 
     def __init__(self) -> None:
         self._array = np.zeros((0, 0), np.int32)
-        # per row: the owning seq_id, its block_table_version and its table's length
-        self._owner = self._version = self._length = np.zeros(0, np.int64)
+        # per row: the stamp of the table it holds, and that table's length
+        self._version = self._length = np.zeros(0, np.int64)
 
     def gather(self, seqs: list[Sequence]) -> np.ndarray:
         """A fresh [len(seqs), longest table] copy (the plan owns it)."""
         n = len(seqs)
-        owner = np.asarray([s.seq_id for s in seqs], np.int64)
         version = np.asarray([s.block_table_version for s in seqs], np.int64)
         self._reserve_rows(n)
-        stale = np.flatnonzero((self._owner[:n] != owner) | (self._version[:n] != version))
+        stale = np.flatnonzero(self._version[:n] != version)
         for i in stale.tolist():
-            table = seqs[i].block_table
+            seq = seqs[i]
+            table = seq.block_table
             self._reserve_width(len(table))
-            self._array[i, :len(table)] = table
-            self._array[i, len(table):] = 0
+            if seq.block_table_base == self._version[i]:  # the row's table plus new blocks
+                start = int(self._length[i])
+                self._array[i, start:len(table)] = table[start:]
+            else:
+                self._array[i, :len(table)] = table
+                self._array[i, len(table):] = 0
             self._length[i] = len(table)
-        self._owner[:n], self._version[:n] = owner, version
+        self._version[:n] = version
         width = int(self._length[:n].max()) if n else 0
         return self._array[:n, :width].copy()
 
@@ -124,9 +130,8 @@ class BlockTableBuffer:
             grow = max(rows, 2 * have) - have
             self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), np.int32)])
             pad = np.full(grow, -1, np.int64)
-            self._owner, self._version, self._length = (
-                np.concatenate([self._owner, pad]), np.concatenate([self._version, pad]),
-                np.concatenate([self._length, np.zeros(grow, np.int64)]))
+            self._version = np.concatenate([self._version, pad])
+            self._length = np.concatenate([self._length, np.zeros(grow, np.int64)])
 
     def _reserve_width(self, width: int) -> None:
         have = self._array.shape[1]

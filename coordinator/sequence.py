@@ -27,7 +27,10 @@ class Sequence:
     index: int = 0  # which of the request's n samples / beams
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_table_version: int = 0  # bumped by the block manager on every change of block_table
+    # restamped by the block manager on every change of block_table, from a counter shared by all
+    # sequences (0: never given blocks)
+    block_table_version: int = 0
+    block_table_base: int = -1  # the stamp this table extends by appended blocks (-1: none)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     cumulative_logprob: float = 0.0
@@ -77,8 +80,13 @@ class Request:
     # fixed at admission (Engine.add_request), for the per-token checks of the decode loop:
     stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
     max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
-    plain_sampling: bool = False  # no logit processors, logprobs or seed (Sampler.sample_plain)
+    # how the decode loop samples it: "greedy" or "plain" (no logit processors, logprobs or
+    # seed: one draw for the whole batch, Sampler.greedy / sample_plain), "" (a SampleRow each);
+    # an n > 1 request is "" until its prompt forked into its samples
+    batch_draw: str = ""
+    single: bool = False  # one sequence for good: n = 1, no beams, no engine stop strings
     watch_stop_strings: bool = False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
+    token_columns: bool = False  # its plain decode news may travel in wire.Outputs' columns
     error_code: int | None = None
     error_message: str | None = None
 

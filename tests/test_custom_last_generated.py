@@ -187,7 +187,7 @@ def test_aborted_request_never_reaches_the_handler(llm) -> None:
             got += [t for s in out.sequences for t in s.new_token_ids]
     engine.abort_request("gone")
     while engine.has_work():
-        outs = engine.step()
+        outs = list(engine.step())
     assert len(head.calls) == calls
     assert outs[-1].sequences[0].finish_reason == "abort" and outs[-1].finished
     assert outs[-1].sequences[0].custom_output is None

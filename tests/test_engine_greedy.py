@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from api import wire
 from tests.checkpoints import ARCHS, make_tiny_checkpoint
 from tests.engine_helpers import (assert_logits_match, capture_logits, capture_plans, greedy,
                                   hf_greedy, hf_model, make_llm, random_prompts, run, token_ids)
@@ -86,3 +87,43 @@ def test_continuous_batching_matches_transformers(setup) -> None:
     assert mixed, "expected steps that mix decodes with a new request's prefill"
     assert max(p.num_seqs for p in plans) <= 3
 
+
+
+def test_decode_news_travel_in_token_columns(setup) -> None:
+    """Past its first token, a running n = 1 request without logprobs sends its new token in
+    the Outputs columns; one with logprobs (or finishing) sends a full RequestOutput. What
+    arrives through the wire codec gives transformers' tokens, and a logprob for every token."""
+    _, path, _, _, prompts, expected = setup
+    llm = make_llm(path, block_size=BLOCK)
+    engine = llm.engine
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"r{i}", p, greedy(NEW_TOKENS, logprobs=i == 3))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
+    logprobs: list[float] = []
+    column_steps = 0
+    while engine.has_work():
+        step = engine.step()
+        if 0 < len(step.token_request_ids):
+            column_steps += 1
+            assert "r3" not in step.token_request_ids  # logprobs: always a full output
+            assert sorted(step.token_request_ids) == ["r0", "r1", "r2"]
+        for out in wire.decode(wire.encode(step)):
+            for s in out.sequences:
+                got[out.request_id] += s.new_token_ids
+                logprobs += s.new_logprobs or []
+    # the first token (a full output) and the last (finished) are not in the columns
+    assert column_steps == NEW_TOKENS - 2
+    assert [got[f"r{i}"] for i in range(4)] == expected[:4]
+    assert len(logprobs) == NEW_TOKENS and all(lp <= 0 for lp in logprobs)
+
+
+def test_outputs_codec_round_trips_the_columns() -> None:
+    full = wire.RequestOutput("a", sequences=[wire.SequenceOutput(0, [7], finish_reason="stop")],
+                              finished=True)
+    step = wire.Outputs([full], ["b", "c"], [11, 12])
+    back = wire.decode(wire.encode(step))
+    assert back == step and len(back) == 3
+    a, b, c = list(back)
+    assert a == full
+    assert (b.request_id, b.sequences[0].new_token_ids, b.finished) == ("b", [11], False)
+    assert (c.request_id, c.sequences[0].index, c.sequences[0].new_token_ids) == ("c", 0, [12])
