@@ -115,7 +115,9 @@ class Engine:
     def _batch_draw(params: SamplingParams) -> str:
         if params.num_beams > 1 or not params.plain:
             return ""
-        return "greedy" if params.greedy else "plain"
+        if params.greedy:
+            return "greedy"
+        return "temperature" if params.temperature_only else "plain"
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""
@@ -252,11 +254,14 @@ class Engine:
 
     def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
                     draws: set[str]) -> None:
-        """Rows that are all batch_draw "greedy" or "plain": one argmax or one draw."""
+        """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
+        or one draw for the whole batch."""
         if len(items) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
         if draws == {"greedy"}:
             tokens = self.sampler.greedy(logits)
+        elif draws == {"temperature"}:
+            tokens = self.sampler.sample_temperature(logits, [s.request.params for _, s in items])
         else:
             tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
         self._append_plain(items, tokens)

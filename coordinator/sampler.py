@@ -7,11 +7,13 @@ whatever else shares the batch. Logprobs are those of the raw model distribution
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from coordinator.sampling_params import SamplingParams
+from model.layers import HAS_TRITON
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._kernel_seeds = random.Random(seed)  # one Philox seed per sample_temperature call
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
@@ -88,6 +91,17 @@ class Sampler:
         __call__ would draw for them, with the shared generator): temperature, top-k, top-p
         and min-p only, so no SampleRow is needed."""
         return self._choose(logits.float(), params, {}).tolist()
+
+    @torch.inference_mode()
+    def sample_temperature(self, logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+        """sample_plain for rows that sample with a temperature alone (no top-k, top-p or
+        min-p; SamplingParams.temperature_only): on CUDA one Triton pass over the logits
+        (model/kernels/sample.py), elsewhere the torch code."""
+        if not (logits.is_cuda and HAS_TRITON):
+            return self.sample_plain(logits, params)
+        from model.kernels.sample import gumbel_sample
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        return gumbel_sample(logits, temps, self._kernel_seeds.getrandbits(31)).tolist()
 
     # ---- logit processors (only rows that ask for them pay) ----------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -59,6 +59,11 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def temperature_only(self) -> bool:
+        """Sampled with a temperature alone: no top-k, top-p or min-p filter."""
+        return self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0
+
+    @property
     def plain(self) -> bool:
         """Only temperature, top-k, top-p and min-p shape the choice: no logit processors
         (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""

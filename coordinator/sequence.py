@@ -80,8 +80,9 @@ class Request:
     # fixed at admission (Engine.add_request), for the per-token checks of the decode loop:
     stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
     max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
-    # how the decode loop samples it: "greedy" or "plain" (no logit processors, logprobs or
-    # seed: one draw for the whole batch, Sampler.greedy / sample_plain), "" (a SampleRow each);
+    # how the decode loop samples it: "greedy", "temperature" (alone) or "plain" (no logit
+    # processors, logprobs or seed: one draw for the whole batch, Sampler.greedy /
+    # sample_temperature / sample_plain), "" (a SampleRow each);
     # an n > 1 request is "" until its prompt forked into its samples
     batch_draw: str = ""
     single: bool = False  # one sequence for good: n = 1, no beams, no engine stop strings

@@ -1,0 +1,115 @@
+"""The Triton temperature-sampling kernel (model/kernels/sample.py) against softmax(x / T).
+
+The kernel's draws must follow softmax(logits / temperature): the empirical frequencies of
+many rows with the same logits are compared with those probabilities (a bound several
+standard errors wide). Also: a seed fixes the draw, a large margin always wins, columns past
+the first loop block are reachable, and each row keeps its own temperature.
+CPU: under the Triton interpreter (tests/interpreter.py); CUDA: `@pytest.mark.gpu`, with the
+engine's batch draw taking the kernel.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.interpreter import run_checks
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def check_distribution(device: str, rows: int, logits: list[float], temperatures: list[float],
+                       dtype: torch.dtype = torch.float32) -> None:
+    """Frequencies over `rows` draws within 5 standard errors of softmax(logits / T)."""
+    from model.kernels.sample import gumbel_sample
+    x = torch.tensor(logits, dtype=dtype)
+    for temperature in temperatures:
+        want = torch.softmax(x.float() / temperature, dim=0).double()
+        batch = x.to(device).repeat(rows, 1)
+        temps = torch.full((rows,), temperature)
+        got = gumbel_sample(batch, temps, seed=11).cpu()
+        freq = torch.bincount(got, minlength=len(logits)).double() / rows
+        bound = 5 * (want * (1 - want) / rows).sqrt() + 1e-3
+        assert ((freq - want).abs() <= bound).all(), (temperature, freq, want)
+        few = slice(0, 20)
+        again = gumbel_sample(batch[few], temps[few], seed=11).cpu()
+        assert torch.equal(again, got[few]), "a seed fixes the draw (Philox offset row * vocab + v)"
+        assert not torch.equal(gumbel_sample(batch[few], temps[few], seed=12).cpu(), got[few])
+
+
+def check_wide_rows(device: str, vocab: int) -> None:
+    """A margin of 50 logits wins at temperature 0.5 wherever it sits, also in the last
+    (partial) loop block; rows have their own temperatures."""
+    from model.kernels.sample import gumbel_sample
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, vocab, generator=gen)
+    winners = [0, 1, vocab // 2, 2047, 2048, vocab - 1]
+    for row, col in enumerate(winners):
+        logits[row, col] = 60.0
+    temps = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    got = gumbel_sample(logits.to(device), temps, seed=3).cpu().tolist()
+    assert got == winners
+    # a huge temperature spreads the same row's draws over the vocabulary
+    spread = gumbel_sample(logits[:1].to(device).repeat(24, 1), torch.full((24,), 1e4), seed=5)
+    assert len(set(spread.cpu().tolist())) > 12
+
+
+def _cpu_distribution() -> None:  # the interpreter runs ~20 ms a row: few rows, far-apart p
+    check_distribution("cpu", rows=150, logits=[0.0, 1.0, 2.0], temperatures=[0.8])
+
+
+def _cpu_wide() -> None:
+    check_wide_rows("cpu", vocab=5000)
+
+
+CPU_CHECKS = {"distribution": _cpu_distribution, "wide": _cpu_wide}
+
+
+@pytest.fixture(scope="module")
+def cpu_results() -> dict[str, str]:
+    return run_checks("tests.test_kernels_sample")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(CPU_CHECKS))
+def test_sample_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
+    assert cpu_results[name] == "", cpu_results[name]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_distribution_gpu(dtype: torch.dtype) -> None:
+    check_distribution("cuda", rows=200_000, logits=[1.0, 0.0, 2.5, -1.0, 0.5, 2.0],
+                       temperatures=[0.7, 1.5], dtype=dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_sample_wide_rows_gpu() -> None:
+    check_wide_rows("cuda", vocab=151_936)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_engine_batch_draw_takes_the_kernel() -> None:
+    """The sampler's temperature-only path runs the kernel on CUDA, and its draws follow
+    softmax(x / T) there too."""
+    from coordinator.sampler import Sampler
+    from coordinator.sampling_params import SamplingParams
+    sampler = Sampler(0, "cuda")
+    params = [SamplingParams(temperature=0.8)] * 50_000
+    assert all(p.temperature_only for p in params[:1])
+    logits = torch.tensor([0.0, 1.0, 2.0], device="cuda").repeat(50_000, 1)
+    got = torch.tensor(sampler.sample_temperature(logits, params))
+    freq = torch.bincount(got, minlength=3).double() / 50_000
+    want = torch.softmax(torch.tensor([0.0, 1.0, 2.0]) / 0.8, dim=0).double()
+    assert ((freq - want).abs() < 0.015).all(), (freq, want)
+    again = sampler.sample_temperature(logits, params)  # the next call draws new noise
+    assert again != got.tolist()
