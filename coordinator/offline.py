@@ -85,8 +85,11 @@ class LLM:
                     raise
                 results[rid].error_code, results[rid].error_message = e.code, e.message
         while self.engine.has_work():
-            for out in self.engine.step():
+            step = self.engine.step()
+            for out in step.outputs:
                 results[out.request_id].accumulate(out)
+            for rid, token in zip(step.token_request_ids, step.new_token_ids):
+                results[rid].outputs[0].token_ids.append(token)  # sequence 0's next token
         if self.tokenizer is not None:
             for r in results.values():
                 for o in r.outputs:

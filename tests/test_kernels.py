@@ -8,23 +8,17 @@ Two modes:
 """
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 
 import pytest
 import torch
 
 from model.attention import AttentionMetadata, reference_attention, store_kv
-from tests.interpreter import run_checks
+from tests.interpreter import OLD_INTERPRETER, run_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-# Triton 3.6's interpreter (the GPU machine's) cannot take a loaded value as a `range` bound
-# ("only 0-dimensional arrays can be converted to Python scalars"); 3.9's can. There the
-# compiled kernels are checked instead (test_decode_gpu, test_extend_gpu).
-OLD_INTERPRETER = HAS_TRITON and tuple(
-    int(x) for x in importlib.metadata.version("triton").split(".")[:2]) < (3, 9)
 
 # (num_kv_heads, group, head_dim, block_size)
 GPU_SHAPES = [(8, 1, 128, 16), (8, 4, 128, 32), (4, 8, 128, 16), (2, 4, 64, 16), (4, 8, 64, 32),

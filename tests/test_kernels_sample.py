@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.interpreter import run_checks
+from tests.interpreter import OLD_INTERPRETER, run_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -76,6 +76,8 @@ def cpu_results() -> dict[str, str]:
 @needs_triton
 @pytest.mark.parametrize("name", sorted(CPU_CHECKS))
 def test_sample_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
+    if OLD_INTERPRETER:
+        pytest.skip("Triton < 3.9 interpreter: no loop bound from a kernel argument")
     assert cpu_results[name] == "", cpu_results[name]
 
 
