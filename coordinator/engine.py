@@ -21,7 +21,7 @@ from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
                                         encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
-from coordinator.outputs import request_output
+from coordinator.outputs import put_news_in_columns, request_output
 from coordinator.planner import PlanRows, Planner
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
@@ -111,13 +111,6 @@ class Engine:
                     max_total_tokens=min(prompt_len + params.max_new_tokens,
                                          self.options.max_model_len))
 
-    @staticmethod
-    def _batch_draw(params: SamplingParams) -> str:
-        if params.num_beams > 1 or not params.plain:
-            return ""
-        if params.greedy:
-            return "greedy"
-        return "temperature" if params.temperature_only else "plain"
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""
@@ -171,21 +164,9 @@ class Engine:
         self._collect_custom()
 
     def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs) -> None:
-        """One output per request the step touched: the usual decode news (one new token of
-        a running token_columns request, past its first) into the columns, all else in full."""
-        request_ids, new_tokens = outputs.token_request_ids, outputs.new_token_ids
-        full: dict[Request, None] = {}  # insertion-ordered set
-        running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
-        for seq in batch.seqs:
-            request, token_ids, emitted = seq.request, seq.token_ids, seq.num_emitted_tokens
-            if (request.token_columns and emitted and seq.status is running
-                    and len(token_ids) == seq.num_prompt_tokens + emitted + 1):
-                request_ids.append(request.request_id)
-                new_tokens.append(token_ids[-1])
-                seq.num_emitted_tokens = emitted + 1
-            else:
-                full[request] = None
-        for request in full:
+        """One output per request the step touched: the usual decode news in the columns
+        (coordinator/outputs.py), a full RequestOutput for the rest."""
+        for request in put_news_in_columns(batch.seqs, outputs):
             if request.params.max_new_tokens == 0:
                 self._finish_scoring_only(request)
             outputs.outputs.append(self._output(request))
@@ -279,7 +260,7 @@ class Engine:
             if not seq.request.forked:
                 targets += self._fork(seq, seq.request.params.n - 1)
                 seq.request.forked = True
-                seq.request.batch_draw = self._batch_draw(seq.request.params)
+                seq.request.batch_draw = seq.request.params.batch_draw
             for j, target in enumerate(targets):
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)

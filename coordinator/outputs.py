@@ -1,7 +1,7 @@
 """A request's wire output after a step: its sequences' news since the last output."""
 from __future__ import annotations
 
-from api.wire import RequestOutput, SequenceOutput
+from api.wire import Outputs, RequestOutput, SequenceOutput
 from coordinator.beam_search import BeamSearch
 from coordinator.sequence import Request, Sequence, SeqStatus
 
@@ -38,3 +38,22 @@ def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
                           seq.logprobs[start:] if with_logprobs else None,
                           seq.top_logprobs[start:] if with_logprobs else None,
                           seq.finish_reason, seq.cumulative_logprob, seq.custom_output)
+
+
+def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]:
+    """The step's usual decode news, one new token of a running token_columns request past its
+    first, goes into outputs' columns (marked sent); returns the other requests the step
+    touched, once each, in order: they need a full RequestOutput."""
+    request_ids, new_tokens = outputs.token_request_ids, outputs.new_token_ids
+    full: dict[Request, None] = {}  # insertion-ordered set
+    running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
+    for seq in seqs:
+        request, token_ids, emitted = seq.request, seq.token_ids, seq.num_emitted_tokens
+        if (request.token_columns and emitted and seq.status is running
+                and len(token_ids) == seq.num_prompt_tokens + emitted + 1):
+            request_ids.append(request.request_id)
+            new_tokens.append(token_ids[-1])
+            seq.num_emitted_tokens = emitted + 1
+        else:
+            full[request] = None
+    return list(full)

@@ -64,6 +64,16 @@ class SamplingParams:
         return self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0
 
     @property
+    def batch_draw(self) -> str:
+        """How a batch draw samples it (Request.batch_draw): "greedy", "temperature" (alone),
+        "plain" (temperature with top-k / top-p / min-p), or "" (it needs a SampleRow)."""
+        if self.num_beams > 1 or not self.plain:
+            return ""
+        if self.greedy:
+            return "greedy"
+        return "temperature" if self.temperature_only else "plain"
+
+    @property
     def plain(self) -> bool:
         """Only temperature, top-k, top-p and min-p shape the choice: no logit processors
         (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""
