@@ -39,25 +39,23 @@ class Planner:
 
     def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
         seqs = batch.seqs
+        context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
         one_token = np.asarray(batch.num_new_tokens) == 1
         if one_token.all() and not batch.partial:
-            context_lens = np.asarray(batch.context_lens, np.int32)
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
-        computed = np.asarray([s.num_computed_tokens for s in seqs], np.int32)
-        decoding = one_token & (np.asarray([len(s.token_ids) for s in seqs]) - computed == 1)
+        decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
-        return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs))
+        return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs), context_lens)
 
 
-def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int,
-                tables: np.ndarray) -> tuple[StepPlan, PlanRows]:
+def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: np.ndarray,
+                context_lens: np.ndarray) -> tuple[StepPlan, PlanRows]:
     """Prefill chunks and decode rows together, token by token."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_start = [0]
-    context_lens: list[int] = []
     logit_rows: list[int] = []
     custom_rows: list[int] = []
     rows = PlanRows()
@@ -68,7 +66,6 @@ def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int,
         table = seq.block_table
         slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
         query_start.append(offset + n)
-        context_lens.append(start + n)
         if scores_last_token(seq, start, n):
             custom_rows.append(offset + n - 1)
             rows.custom_seqs.append(seq)
@@ -82,7 +79,7 @@ def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int,
         kind=kind,
         input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
         slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
-        context_lens=np.asarray(context_lens, np.int32), block_tables=tables,
+        context_lens=context_lens, block_tables=tables,
         logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
         block_copies=_copies(batch))
     return plan, rows

@@ -83,7 +83,8 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted earlier in this loop
             if seq.request.single:  # the usual case, blocks_to_append inlined: no fork shares
-                # its partly filled block, so it needs a block only when its tokens outgrow them
+                # its partly filled block, so it needs a block only when its tokens outgrow
+                # them (BlockManager._needs_new_block, without a call per sequence)
                 if len(seq.token_ids) > len(seq.block_table) * block_size \
                         and not self._reserve_block(seq, batch):
                     continue
