@@ -41,9 +41,10 @@ class Planner:
         seqs = batch.seqs
         context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
-        one_token = np.asarray(batch.num_new_tokens) == 1
-        if one_token.all() and not batch.partial:
+        counts = batch.num_new_tokens
+        if not batch.partial and (not counts or min(counts) == max(counts) == 1):
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
+        one_token = np.asarray(batch.num_new_tokens) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
         return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs), context_lens)
@@ -89,11 +90,15 @@ def _copies(batch: ScheduledBatch) -> np.ndarray:
     return np.asarray(batch.block_copies, np.int64).reshape(-1, 2)
 
 
+_NO_TABLE = -2  # a buffer row's stamp when it holds no whole table (never a table's base)
+
+
 class BlockTableBuffer:
-    """The batch's block tables as one persistent [rows, width] int32 array. A row is rewritten
-    only when it holds a table of another stamp (Sequence.block_table_version: unique across
-    sequences, renewed on every change), so a steady decode batch costs a vectorized
-    comparison, not a list-to-array copy per row."""
+    """The batch's block tables as one persistent [rows, width] int32 array, width being the
+    longest table of the batch, so that its first rows are the plan's array as they stand (a
+    view, no copy). A row is rewritten only when it holds a table of another stamp
+    (Sequence.block_table_version: unique across sequences, renewed on every change), so a
+    steady decode batch costs a vectorized comparison, not a list-to-array copy per row."""
 
     def __init__(self) -> None:
         self._array = np.zeros((0, 0), np.int32)
@@ -101,40 +106,62 @@ class BlockTableBuffer:
         self._version = self._length = np.zeros(0, np.int64)
 
     def gather(self, seqs: list[Sequence]) -> np.ndarray:
-        """A fresh [len(seqs), longest table] copy (the plan owns it)."""
+        """The tables of seqs, [len(seqs), longest table], zero-padded: a view of the buffer,
+        valid until the next gather (a plan is used up within its step)."""
         n = len(seqs)
         version = np.asarray([s.block_table_version for s in seqs], np.int64)
         self._reserve_rows(n)
-        stale = np.flatnonzero(self._version[:n] != version)
-        for i in stale.tolist():
-            seq = seqs[i]
-            table = seq.block_table
-            self._reserve_width(len(table))
-            if seq.block_table_base == self._version[i]:  # the row's table plus new blocks
-                start = int(self._length[i])
-                self._array[i, start:len(table)] = table[start:]
+        stale = np.flatnonzero(self._version[:n] != version).tolist()
+        if stale:
+            self._update(seqs, stale)
+        self._version[:n] = version
+        width = int(self._length[:n].max(initial=0))
+        if width != self._array.shape[1]:  # the longest table left the batch
+            self._set_width(width)
+        return self._array[:n]
+
+    def _update(self, seqs: list[Sequence], stale: list[int]) -> None:
+        """Rewrite the stale rows; a row whose table only grew gets its new entries alone,
+        all such rows in one scatter (decoding appends one block per row every so often)."""
+        tables = [seqs[i].block_table for i in stale]
+        grown = [self._version[i] == seqs[i].block_table_base for i in stale]
+        for i, extends in zip(stale, grown):
+            if not extends:
+                self._length[i] = 0
+        width = max(map(len, tables))
+        if width > self._array.shape[1]:
+            self._set_width(width)
+        rows, cols, values = [], [], []
+        for i, table, extends in zip(stale, tables, grown):
+            start = int(self._length[i])
+            if extends:
+                rows += [i] * (len(table) - start)
+                cols += range(start, len(table))
+                values += table[start:]
             else:
                 self._array[i, :len(table)] = table
                 self._array[i, len(table):] = 0
             self._length[i] = len(table)
-        self._version[:n] = version
-        width = int(self._length[:n].max()) if n else 0
-        return self._array[:n, :width].copy()
+        if rows:
+            self._array[rows, cols] = values
 
     def _reserve_rows(self, rows: int) -> None:
         have = self._array.shape[0]
         if rows > have:
             grow = max(rows, 2 * have) - have
             self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), np.int32)])
-            pad = np.full(grow, -1, np.int64)
+            pad = np.full(grow, _NO_TABLE, np.int64)
             self._version = np.concatenate([self._version, pad])
             self._length = np.concatenate([self._length, np.zeros(grow, np.int64)])
 
-    def _reserve_width(self, width: int) -> None:
-        have = self._array.shape[1]
-        if width > have:
-            grow = max(width, 2 * have, 8) - have
-            self._array = np.hstack([self._array, np.zeros((self._array.shape[0], grow), np.int32)])
+    def _set_width(self, width: int) -> None:
+        """Re-lay the buffer at a new width (the longest table grew, or left the batch)."""
+        self._version[self._length > width] = _NO_TABLE  # rows cut short must be rewritten
+        resized = np.zeros((self._array.shape[0], width), np.int32)
+        keep = min(width, self._array.shape[1])
+        resized[:, :keep] = self._array[:, :keep]
+        self._array = resized
+        np.minimum(self._length, width, out=self._length)
 
 
 def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,

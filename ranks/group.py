@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from model.layers import TPGroup
 from ranks.local_group import STORE_ENV
-from ranks.plan import StepPlan, decode_plan, encode_plan
+from ranks.plan import EncodedPlan, StepPlan, decode_plan
 
 HEADER_BYTES = 16  # the plan's length, the next message's size (little-endian uint64)
 
@@ -82,18 +83,22 @@ class PlanChannel:
         self.rest = torch.zeros(0, dtype=torch.uint8)
 
     def send(self, plan: StepPlan) -> None:
-        payload = encode_plan(plan)
-        n = len(payload)
+        encoded = EncodedPlan(plan)
+        n = encoded.nbytes
         next_size = self._next_size(n)
         message = self._message(self.size)
         head = message.numpy()
-        head[:HEADER_BYTES] = memoryview(n.to_bytes(8, "little") + next_size.to_bytes(8, "little"))
+        head[:HEADER_BYTES] = np.array([n, next_size], "<u8").view(np.uint8)
         k = min(n, self.size - HEADER_BYTES)
-        head[HEADER_BYTES:HEADER_BYTES + k] = memoryview(payload)[:k]
-        dist.broadcast(message, src=0, group=self.group)
-        if n > k:
+        if n == k:  # the usual case: the plan is written straight into the message
+            encoded.write_into(head[HEADER_BYTES:HEADER_BYTES + n])
+            dist.broadcast(message, src=0, group=self.group)
+        else:
+            payload = np.frombuffer(encoded.tobytes(), np.uint8)
+            head[HEADER_BYTES:] = payload[:k]
+            dist.broadcast(message, src=0, group=self.group)
             rest = self._rest(n - k)
-            rest.numpy()[:] = memoryview(payload)[k:]
+            rest.numpy()[:] = payload[k:]
             dist.broadcast(rest, src=0, group=self.group)
         self.size = next_size
 
@@ -101,14 +106,14 @@ class PlanChannel:
         message = self._message(self.size)
         dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
-        n = int.from_bytes(head[:8].tobytes(), "little")
-        next_size = int.from_bytes(head[8:HEADER_BYTES].tobytes(), "little")
+        n, next_size = (int(v) for v in head[:HEADER_BYTES].view("<u8"))
         k = min(n, self.size - HEADER_BYTES)
-        payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes()
-        if n > k:
+        if n == k:  # decode_plan copies what it keeps: the buffer is free for the next plan
+            payload: bytes | memoryview = memoryview(head[HEADER_BYTES:HEADER_BYTES + n])
+        else:
             rest = self._rest(n - k)
             dist.broadcast(rest, src=0, group=self.group)
-            payload += rest.numpy().tobytes()
+            payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes()
         self.size = next_size
         return decode_plan(payload)
 

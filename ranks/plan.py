@@ -6,6 +6,7 @@ self-contained: a rank needs nothing from earlier plans but its KV cache.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields
 
 import msgpack
@@ -52,18 +53,63 @@ class StepPlan:
 
 
 _ARRAY_FIELDS = [f.name for f in fields(StepPlan) if f.name not in ("kind", "graph_bucket")]
+_ALIGN = 8  # each array starts 8-aligned in the data blob, so the receiver's views are aligned
+# The message is one msgpack map: {"kind": int, "graph_bucket": int, "arrays": [[dtype, shape],
+# ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
+# arrays' bytes straight into the broadcast buffer after the packed head.
+_HEAD_KEYS = [msgpack.packb(k) for k in ("kind", "graph_bucket", "arrays", "data")]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class EncodedPlan:
+    """A plan laid out for the wire: the packed head (everything up to the data bytes) and
+    the arrays that follow it, so the bytes can be written into any buffer without an
+    intermediate copy."""
+
+    def __init__(self, plan: StepPlan):
+        self.arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
+        layout = [[a.dtype.str, list(a.shape)] for a in self.arrays]
+        data_bytes = sum(_padded(a.nbytes) for a in self.arrays)
+        kind, bucket, arrays, data = _HEAD_KEYS
+        self.head = b"".join((b"\x84", kind, msgpack.packb(int(plan.kind)), bucket,
+                              msgpack.packb(plan.graph_bucket), arrays, msgpack.packb(layout),
+                              data, b"\xc6", data_bytes.to_bytes(4, "big")))  # bin 32 header
+        self.nbytes = len(self.head) + data_bytes
+
+    def write_into(self, out: np.ndarray) -> None:
+        """Write the nbytes of the message into out[:nbytes] (a uint8 array)."""
+        pos = len(self.head)
+        out[:pos] = np.frombuffer(self.head, np.uint8)
+        for a in self.arrays:
+            out[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8)
+            pos += _padded(a.nbytes)
+
+    def tobytes(self) -> bytes:
+        out = np.zeros(self.nbytes, np.uint8)
+        self.write_into(out)
+        return out.tobytes()
 
 
 def encode_plan(plan: StepPlan) -> bytes:
-    body: dict = {"kind": int(plan.kind), "graph_bucket": plan.graph_bucket}
-    for name in _ARRAY_FIELDS:
-        a = np.ascontiguousarray(getattr(plan, name))
-        body[name] = (a.dtype.str, a.shape, a.tobytes())
-    return msgpack.packb(body, use_bin_type=True)
+    return EncodedPlan(plan).tobytes()
 
 
 def decode_plan(data: bytes | memoryview) -> StepPlan:
+    """The plan in data (any buffer). Its arrays are writable views of one private copy of
+    the data bytes; only plain numeric dtypes are accepted."""
     body = msgpack.unpackb(data, raw=False)
-    arrays = {name: np.frombuffer(buf, dtype=np.dtype(dt)).reshape(shape).copy()
-              for name, (dt, shape, buf) in ((n, body[n]) for n in _ARRAY_FIELDS)}
+    blob = np.frombuffer(body["data"], np.uint8).copy()
+    arrays, pos = {}, 0
+    for name, (dtype, shape) in zip(_ARRAY_FIELDS, body["arrays"], strict=True):
+        dt = np.dtype(dtype)
+        if dt.kind not in "biuf":
+            raise ValueError(f"plan array {name}: dtype {dtype} is not numeric")
+        n = dt.itemsize * math.prod(shape)
+        if pos + n > blob.size:
+            raise ValueError(f"plan array {name} runs past the data")
+        arrays[name] = blob[pos:pos + n].view(dt).reshape(shape)
+        pos += _padded(n)
     return StepPlan(kind=StepKind(body["kind"]), graph_bucket=body["graph_bucket"], **arrays)
