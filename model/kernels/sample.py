@@ -2,9 +2,14 @@
 
 argmax_v(x_v / T + g_v), with g_v = -log(-log(u_v)) and u_v uniform, is distributed as
 softmax(x / T): no softmax, no normalisation, no noise tensor in memory. The uniform numbers
-come from Triton's counter-based Philox (`tl.rand(seed, offset)`), offset = row * vocab + v,
-so a seed fixes the draw. One program per row streams the row once (a running best per lane,
-one reduction at the end); the grid depends only on the row count.
+come from Triton's counter-based Philox, so a seed fixes the draw. One program per row
+streams the row once (a running best per lane, one reduction at the end); the grid depends
+only on the row count.
+
+Philox is most of the kernel's arithmetic, and each call yields four 32-bit numbers: a loop
+step covers BLOCK columns as four quarters, column start + j * QUARTER + k taking the j-th
+number of counter row * vocab + start + k (`tl.rand4x`). `tl.rand` would spend a whole call
+on each column (measured on the H200 at 256 x 151,936: see docs/benchmarks.md).
 
 For rows that sample with a temperature alone (no top-k, top-p or min-p); torch does the rest
 (coordinator/sampler.py).
@@ -15,26 +20,35 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 2048  # vocab entries per loop iteration (fixed: no autotuning at start-up)
+_BLOCK = 4096  # vocab entries per loop iteration (fixed: no autotuning at start-up)
+
+
+@triton.jit
+def _gumbel_quarter(best, best_idx, base, cols, u, inv_temp, vocab):
+    """Fold one quarter's Gumbel scores into the running best (strict: per lane, the first
+    column wins a tie, as lanes visit their columns in increasing order)."""
+    mask = cols < vocab
+    x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    score = tl.where(mask, x * inv_temp - tl.log(-tl.log(u)), float("-inf"))
+    better = score > best
+    return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, out_ptr, vocab, seed,
-                          BLOCK: tl.constexpr):
+                          QUARTER: tl.constexpr):
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     inv_temp = tl.load(inv_temp_ptr + row)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, row * vocab + cols)
-        score = tl.where(mask, x * inv_temp - tl.log(-tl.log(u)), float("-inf"))
-        better = score > best  # strict: the first column wins a tie within a lane
-        best = tl.where(better, score, best)
-        best_idx = tl.where(better, cols, best_idx)
+    k = tl.arange(0, QUARTER)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.zeros([QUARTER], tl.int32)
+    for start in range(0, vocab, 4 * QUARTER):
+        u0, u1, u2, u3 = tl.rand4x(seed, row * vocab + start + k)
+        best, best_idx = _gumbel_quarter(best, best_idx, base, start + k, u0, inv_temp, vocab)
+        best, best_idx = _gumbel_quarter(best, best_idx, base, start + QUARTER + k, u1, inv_temp, vocab)
+        best, best_idx = _gumbel_quarter(best, best_idx, base, start + 2 * QUARTER + k, u2, inv_temp, vocab)
+        best, best_idx = _gumbel_quarter(best, best_idx, base, start + 3 * QUARTER + k, u3, inv_temp, vocab)
     top = tl.max(best, 0)
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, vocab), 0).to(tl.int64))
 
@@ -46,12 +60,12 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -
         raise ValueError("logits must be 2-D with a contiguous last dim")
     rows, vocab = logits.shape
     if rows * vocab >= 2**31:
-        raise ValueError("rows * vocab must stay below 2**31 (Philox offsets are int32)")
+        raise ValueError("rows * vocab must stay below 2**31 (Philox counters are int32)")
     inv_temp = (1.0 / temperatures.to(device=logits.device, dtype=torch.float32)).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        block = min(_BLOCK, triton.next_power_of_2(vocab))
+        block = min(_BLOCK, max(4, triton.next_power_of_2(vocab)))
         _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), inv_temp, out, vocab,
-                                       seed & 0x7FFFFFFF, BLOCK=block,
+                                       seed & 0x7FFFFFFF, QUARTER=block // 4,
                                        num_warps=8 if block == _BLOCK else 4)
     return out
