@@ -90,6 +90,7 @@ def main() -> None:
     ttft_ms(engine, device, 16)  # warm-up
     figures = {
         "tp": ctx.world_size,
+        "all_reduce": "nccl" if runner.tp.one_shot is None else runner.tp.one_shot.mode,
         "batch1_decode_ms": round(batch1_decode_ms(engine, device, args.context, args.steps), 3),
         "ttft_prompt_tokens": min(1024, args.max_model_len // 2),
         "ttft_ms": round(ttft_ms(engine, device, min(1024, args.max_model_len // 2)), 2),

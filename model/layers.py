@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,13 +18,16 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in the tensor-parallel group (group=None: single process)."""
+    """This rank's place in the tensor-parallel group (group=None: single process).
+    one_shot: the symmetric-memory all-reduce for small messages (model/allreduce.py,
+    TAPSERVE_ALLREDUCE=symm), or None: every all-reduce is dist.all_reduce."""
     rank: int = 0
     size: int = 1
     group: Any = None
+    one_shot: Any = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and (self.one_shot is None or not self.one_shot.reduce_in_place(x)):
             dist.all_reduce(x, group=self.group)
         return x
 

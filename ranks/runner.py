@@ -2,7 +2,7 @@
 uses the logits and the hidden states of `custom_rows`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from cuda_graphs.decode import DecodeGraphs
+from model.allreduce import MODES, mode_from_env, with_one_shot_all_reduce
 from model.attention import AttentionMetadata
 from model.config import ModelConfig
 from model.decoder import AttentionBackend, ForwardContext
@@ -36,8 +37,12 @@ class RunnerConfig:
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = False
     seed: int = 0
+    all_reduce: str = field(default_factory=mode_from_env)  # TAPSERVE_ALLREDUCE (model/allreduce)
 
     def __post_init__(self) -> None:
+        if self.all_reduce not in MODES:
+            raise ValueError(f"all_reduce (TAPSERVE_ALLREDUCE) must be one of {', '.join(MODES)}, "
+                             f"got {self.all_reduce!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -56,6 +61,9 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: RunnerConfig, tp: TPGroup,
                  min_across_ranks: Callable[[int], int] = lambda x: x,
                  backend: AttentionBackend | None = None, show_progress: bool = True):
+        # collective when switched on: every rank, before the model and the graphs capture tp
+        tp = with_one_shot_all_reduce(tp, cfg.all_reduce, cfg.device, cfg.dtype,
+                                      cfg.max_num_seqs * model_cfg.hidden_size * cfg.dtype.itemsize)
         self.model_cfg, self.cfg, self.tp = model_cfg, cfg, tp
         self.device = cfg.device
         if backend is None and cfg.device.type == "cuda":

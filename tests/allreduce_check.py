@@ -1,0 +1,133 @@
+"""Run under torchrun on 2+ GPUs: `allreduce_check.py OUT.json staged|fused`. The
+symmetric-memory one-shot all-reduce (model/allreduce.py, through TPGroup.all_reduce) against
+NCCL on random tensors, eager and replayed in CUDA graphs; rank 0 writes one JSON row per case.
+tests/test_gpu_allreduce.py checks them."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.allreduce import _FUSED, _STAGED, SymmMemAllReduce, _op_matches  # noqa: E402
+from model.layers import TPGroup  # noqa: E402
+
+MAX_BYTES = 1 << 20
+# (dtype, numel, one-shot expected): 1001 bf16 is not 16-byte sized, 1 << 20 bf16 is over
+# MAX_BYTES and float16 has no one-shot kernel: those take NCCL through the same call
+CASES = [(torch.bfloat16, n, True) for n in (8, 4096, 5120, 64 * 4096, 64 * 5120)] + \
+        [(torch.float32, n, True) for n in (16, 4096, 5120, 64 * 4096)] + \
+        [(torch.bfloat16, 1001, False), (torch.bfloat16, 1 << 20, False),
+         (torch.float16, 4096, False)]
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def random(numel: int, dtype: torch.dtype, seed: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
+    x = torch.randn(numel, generator=gen, device="cuda").to(dtype)
+    return x.view(-1, 64) if numel % 64 == 0 else x
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Against NCCL's answer, and the same bits on every rank."""
+    tol = TOL[out.dtype]
+    parts = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, out)
+    return {"close": torch.allclose(out.float(), ref.float(), rtol=tol, atol=tol),
+            "equal": torch.equal(out, ref),
+            "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+            "same_on_all_ranks": all(torch.equal(p, parts[0]) for p in parts)}
+
+
+def eager_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: int) -> dict:
+    x = random(numel, dtype, seed, rank)
+    ref, out = x.clone(), x.clone()
+    dist.all_reduce(ref)
+    tp.all_reduce(out)
+    return compare(out, ref)
+
+
+def graph_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: int) -> dict:
+    """One captured all-reduce, replayed on three fresh inputs with NCCL calls in between."""
+    static = torch.zeros_like(random(numel, dtype, seed, rank))
+    tp.all_reduce(static)  # warm-up (NCCL communicator for the fallback cases)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tp.all_reduce(static)
+    rows = []
+    for trial in range(3):
+        x = random(numel, dtype, seed * 10 + trial, rank)
+        static.copy_(x)
+        graph.replay()
+        dist.all_reduce(x)
+        rows.append(compare(static, x))
+    return {k: all(r[k] for r in rows) if k != "max_abs_diff" else max(r[k] for r in rows)
+            for k in rows[0]}
+
+
+def chain_case(tp: TPGroup, rank: int) -> dict:
+    """Back-to-back one-shot calls of different sizes in one graph, each feeding the next
+    (the buffer is reused at once, as the decoder's layers do), against the same ops on NCCL."""
+    def body(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, reduce) -> None:
+        reduce(a)
+        b[:64].add_(a)  # a: [64, 64], b: [4096, 64], c: [16]
+        reduce(b)
+        c.add_(b[:1].sum())
+        reduce(c)
+
+    inputs = [random(64 * 64, torch.bfloat16, 7, rank), random(64 * 4096, torch.bfloat16, 8, rank),
+              random(16, torch.bfloat16, 9, rank)]
+    static = [torch.zeros_like(t) for t in inputs]
+    body(*static, tp.all_reduce)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body(*static, tp.all_reduce)
+    for s, t in zip(static, inputs):
+        s.copy_(t)
+    graph.replay()
+    ref = [t.clone() for t in inputs]
+    body(*ref, dist.all_reduce)
+    rows = [compare(s, r) for s, r in zip(static, ref)]
+    return {"close": all(r["close"] for r in rows),
+            "same_on_all_ranks": all(r["same_on_all_ranks"] for r in rows)}
+
+
+def main(out_file: str, variant: str) -> None:
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=device)
+    fused = variant == "fused"
+    available = _op_matches(*(_FUSED if fused else _STAGED))
+    comm = SymmMemAllReduce.create(dist.group.WORLD, device, MAX_BYTES, fused) if available \
+        else None
+    result = {"available": available, "set_up": comm is not None, "torch": torch.__version__,
+              "cases": []}
+    if comm is not None:
+        tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size(), group=dist.group.WORLD,
+                     one_shot=comm)
+        for seed, (dtype, numel, expected) in enumerate(CASES):
+            probe = random(numel, dtype, 0, rank)
+            for mode, run in (("eager", eager_case), ("graph", graph_case)):
+                row = run(tp, dtype, numel, seed, rank)
+                result["cases"].append({"dtype": str(dtype), "numel": numel, "mode": mode,
+                                        "one_shot": comm.eligible(probe),
+                                        "expected_one_shot": expected, **row})
+        result["chain"] = chain_case(tp, rank)
+    torch.cuda.synchronize()
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(result, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2])
