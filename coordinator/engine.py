@@ -242,7 +242,8 @@ class Engine:
         if draws == {"greedy"}:
             tokens = self.sampler.greedy(logits)
         elif draws == {"temperature"}:
-            tokens = self.sampler.sample_temperature(logits, [s.request.params for _, s in items])
+            tokens = self.sampler.sample_temperature(
+                logits, [s.request.params.temperature for _, s in items])
         else:
             tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
         self._append_plain(items, tokens)

@@ -93,15 +93,25 @@ class Sampler:
         return self._choose(logits.float(), params, {}).tolist()
 
     @torch.inference_mode()
-    def sample_temperature(self, logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    def sample_temperature(self, logits: torch.Tensor, temperatures: list[float]) -> list[int]:
         """sample_plain for rows that sample with a temperature alone (no top-k, top-p or
-        min-p; SamplingParams.temperature_only): on CUDA one Triton pass over the logits
-        (model/kernels/sample.py), elsewhere the torch code."""
-        if not (logits.is_cuda and HAS_TRITON):
-            return self.sample_plain(logits, params)
-        from model.kernels.sample import gumbel_sample
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        return gumbel_sample(logits, temps, self._kernel_seeds.getrandbits(31)).tolist()
+        min-p; SamplingParams.temperature_only), given each row's temperature: on CUDA one
+        Triton pass over the logits (model/kernels/sample.py), elsewhere the torch draw of
+        _choose (softmax, exponential noise from the shared generator)."""
+        if logits.is_cuda and HAS_TRITON:
+            from model.kernels.sample import gumbel_sample
+            return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31)).tolist()
+        temps = torch.tensor(temperatures, device=logits.device)[:, None]
+        probs = (logits.float() / temps).softmax(dim=-1)
+        return (probs / self._exponential_noise(probs)).argmax(dim=-1).tolist()
+
+    def _exponential_noise(self, like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise shaped like `like`, from the shared generator. On the CPU as
+        -log(uniform): torch's CPU exponential_ draws ~4x slower than uniform_ + log."""
+        noise = torch.empty_like(like)
+        if noise.device.type == "cpu":
+            return noise.uniform_(generator=self.generator).log_().neg_()
+        return noise.exponential_(generator=self.generator)
 
     # ---- logit processors (only rows that ask for them pay) ----------------------------------
     def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -145,7 +155,7 @@ class Sampler:
         temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                              device=dev)
         probs = self._filtered_probs(logits / temps[:, None], params)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = self._exponential_noise(probs)
         for i, seed in seeds.items():
             if not greedy[i]:
                 noise[i].exponential_(generator=torch.Generator(device=dev).manual_seed(seed))

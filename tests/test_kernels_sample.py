@@ -55,6 +55,13 @@ def check_wide_rows(device: str, vocab: int) -> None:
     # a huge temperature spreads the same row's draws over the vocabulary
     spread = gumbel_sample(logits[:1].to(device).repeat(24, 1), torch.full((24,), 1e4), seed=5)
     assert len(set(spread.cpu().tolist())) > 12
+    # a list of equal temperatures travels as one float: the same draws as the tensor
+    assert gumbel_sample(logits.to(device), [0.5] * 6, seed=3).cpu().tolist() == winners
+    same = logits[3:4].to(device).repeat(24, 1)
+    assert torch.equal(gumbel_sample(same, [1e4] * 24, seed=5), gumbel_sample(same, torch.full((24,), 1e4), seed=5))
+    # a list of different temperatures: each row its own
+    mixed = gumbel_sample(same, [1e-3, 1e4] * 12, seed=5).cpu().tolist()
+    assert mixed[0::2] == [winners[3]] * 12 and len(set(mixed[1::2])) > 6
 
 
 def _cpu_distribution() -> None:  # the interpreter runs ~20 ms a row: few rows, far-apart p
@@ -106,12 +113,12 @@ def test_engine_batch_draw_takes_the_kernel() -> None:
     from coordinator.sampler import Sampler
     from coordinator.sampling_params import SamplingParams
     sampler = Sampler(0, "cuda")
-    params = [SamplingParams(temperature=0.8)] * 50_000
-    assert all(p.temperature_only for p in params[:1])
+    assert SamplingParams(temperature=0.8).temperature_only
+    temps = [0.8] * 50_000
     logits = torch.tensor([0.0, 1.0, 2.0], device="cuda").repeat(50_000, 1)
-    got = torch.tensor(sampler.sample_temperature(logits, params))
+    got = torch.tensor(sampler.sample_temperature(logits, temps))
     freq = torch.bincount(got, minlength=3).double() / 50_000
     want = torch.softmax(torch.tensor([0.0, 1.0, 2.0]) / 0.8, dim=0).double()
     assert ((freq - want).abs() < 0.015).all(), (freq, want)
-    again = sampler.sample_temperature(logits, params)  # the next call draws new noise
+    again = sampler.sample_temperature(logits, temps)  # the next call draws new noise
     assert again != got.tolist()

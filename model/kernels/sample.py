@@ -35,11 +35,13 @@ def _gumbel_quarter(best, best_idx, base, cols, u, inv_temp, vocab):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, out_ptr, vocab, seed,
-                          QUARTER: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp, out_ptr, vocab, seed,
+                          PER_ROW: tl.constexpr, QUARTER: tl.constexpr):
+    """inv_temp: 1 / temperature, a pointer to one per row (PER_ROW) or one float for all."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
-    inv_temp = tl.load(inv_temp_ptr + row)
+    if PER_ROW:
+        inv_temp = tl.load(inv_temp + row)
     k = tl.arange(0, QUARTER)
     best = tl.full([QUARTER], float("-inf"), tl.float32)
     best_idx = tl.zeros([QUARTER], tl.int32)
@@ -53,19 +55,25 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp_ptr, out_ptr, vocab, seed
     tl.store(out_ptr + row, tl.min(tl.where(best == top, best_idx, vocab), 0).to(tl.int64))
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float],
+                  seed: int) -> torch.Tensor:
     """One token per row of logits [rows, vocab] (any float dtype, last dim contiguous),
-    drawn from softmax(logits / temperature); temperatures [rows] > 0. int64 [rows]."""
+    drawn from softmax(logits / temperature); temperatures [rows] > 0. int64 [rows].
+    A list of equal temperatures (the usual batch) travels as one float: no tensor, no copy."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be 2-D with a contiguous last dim")
     rows, vocab = logits.shape
     if rows * vocab >= 2**31:
         raise ValueError("rows * vocab must stay below 2**31 (Philox counters are int32)")
-    inv_temp = (1.0 / temperatures.to(device=logits.device, dtype=torch.float32)).contiguous()
+    if isinstance(temperatures, list) and rows and temperatures.count(temperatures[0]) == rows:
+        inv_temp: torch.Tensor | float = 1.0 / temperatures[0]
+    else:
+        inv_temp = torch.as_tensor(temperatures, dtype=torch.float32)
+        inv_temp = (1.0 / inv_temp.to(logits.device)).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         block = min(_BLOCK, max(4, triton.next_power_of_2(vocab)))
         _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), inv_temp, out, vocab,
-                                       seed & 0x7FFFFFFF, QUARTER=block // 4,
-                                       num_warps=8 if block == _BLOCK else 4)
+                                       seed & 0x7FFFFFFF, PER_ROW=not isinstance(inv_temp, float),
+                                       QUARTER=block // 4, num_warps=8 if block == _BLOCK else 4)
     return out
