@@ -1,6 +1,6 @@
 """The CUDA attention backend: the project's Triton kernels behind the AttentionBackend
-interface. Decode launches depend only on the batch size (fixed KV splits, a preallocated
-workspace), so decode can be captured in a CUDA graph."""
+interface. Decode launches depend only on the batch size (a KV split count per batch size, a
+preallocated workspace), so decode can be captured in a CUDA graph."""
 from __future__ import annotations
 
 import torch
@@ -8,16 +8,44 @@ import torch
 from model.attention import AttentionMetadata
 from model.decoder import AttentionBackend
 
+MAX_KV_SPLITS = 64
+
+
+def decode_split_policy(max_model_len: int, num_sms: int):
+    """splits(batch, kv_heads): the decode KV split count. The base is about one split per 256
+    tokens of the context limit (at most 16); a small batch takes more splits, up to one per 64
+    tokens (at most MAX_KV_SPLITS), so that batch x kv_heads x splits fills the GPU (about two
+    programs per SM): at batch 1 with 8 KV heads the base alone left most SMs idle. Powers of
+    two, so few kernel variants compile."""
+    import triton
+
+    from model.kernels import num_kv_splits_for
+    base = num_kv_splits_for(max_model_len)
+    cap = max(base, num_kv_splits_for(max_model_len, tokens_per_split=64, max_splits=MAX_KV_SPLITS))
+
+    def splits(batch: int, kv_heads: int) -> int:
+        want = triton.next_power_of_2(triton.cdiv(2 * num_sms, batch * kv_heads))
+        return min(cap, max(base, want))
+    return splits
+
 
 def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model_len: int,
                         device: torch.device) -> AttentionBackend:
-    from model.kernels import (extend_attention, make_decode_workspace, num_kv_splits_for,
-                               paged_decode_attention, store_kv_cache)
-    splits = num_kv_splits_for(max_model_len)
-    workspace = make_decode_workspace(max_batch, num_heads, head_dim, splits, device)
+    from model.kernels import extend_attention, paged_decode_attention, store_kv_cache
+    splits_for = decode_split_policy(max_model_len,
+                                     torch.cuda.get_device_properties(device).multi_processor_count)
+    # one flat workspace for every batch size: the most rows x splits any batch asks for
+    # (one KV head per rank is the worst case)
+    rows = max(b * splits_for(b, 1) for b in range(1, max_batch + 1))
+    part_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
 
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        batch = q.shape[0]
+        splits = splits_for(batch, k_cache.shape[2])
+        workspace = (part_out[:batch * num_heads * splits * head_dim].view(batch, num_heads, splits, head_dim),
+                     part_lse[:batch * num_heads * splits].view(batch, num_heads, splits))
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       scale, num_kv_splits=splits, workspace=workspace)
 

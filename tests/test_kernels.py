@@ -207,6 +207,7 @@ def test_decode_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Non
     ctx = [1, 2, 15, 16, 17, 31, 32, 33, 100, 511, 1024, 1025, 4097, 8192]
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=16)
     check_decode(ctx[::-1][:6], shape, dtype, "cuda", num_kv_splits=5, seed=1, strided=True)
+    check_decode(ctx, shape, dtype, "cuda", num_kv_splits=64, seed=2)  # a small batch's count
 
 
 @pytest.mark.gpu
