@@ -2,7 +2,7 @@
 (weight bytes + KV bytes read per step) / (step time x 4.3 TB/s).
 
     python bench/decode_sweep.py --model-config ../shared/reference/configs/qwen3-8b.json \
-        --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 [--plot docs/decode_sweep.png]
+        --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 [--json out.json] [--profile-steps 16]
 """
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_decode(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, float]:
+def time_decode(llm: LLM, batch: int, context: int, steps: int,
+                profile_steps: int = 0) -> tuple[float, float]:
     """Mean decode step time with `batch` sequences running throughout, and their mean
     context length over the timed steps (early-admitted sequences decode while later prompts
     prefill, so they are longer than `context`)."""
@@ -63,10 +64,32 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int) -> tuple[float, 
     elapsed = (time.perf_counter() - start) / steps
     if len(engine.scheduler.running) != batch or len(lengths) != batch:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
+    if profile_steps:
+        profile_decode(engine, profile_steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     engine.step()
     return elapsed, sum(lengths) / batch + steps / 2
+
+
+def profile_decode(engine, steps: int) -> None:
+    """torch.profiler over `steps` more decode steps: wall time against the GPU's kernel time
+    per step (the difference is the GPU idling: host work between kernels and steps), and the
+    kernels that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - start) / steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu = sum(e.device_time_total for e in kernels) / steps / 1e3
+    print(json.dumps({"profiled_steps": steps, "wall_ms_per_step": round(wall * 1e3, 3),
+                      "gpu_kernel_ms_per_step": round(gpu, 3)}))
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]:
+        print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
 
 
 def main() -> None:
@@ -77,13 +100,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing each batch, profile this many steps (GPU kernel time vs wall)")
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
     prefill_steps = -(-max(batches) * args.context // budget)
     llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
                            max_num_seqs=max(batches), max_num_batched_tokens=budget,
-                           max_model_len=args.context + prefill_steps + args.steps + 64,
+                           max_model_len=args.context + prefill_steps + args.steps + args.profile_steps + 64,
                            enforce_eager=args.enforce_eager, enable_prefix_caching=False))
     wbytes = weight_bytes(llm)
     kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
@@ -94,7 +119,7 @@ def main() -> None:
             print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
             break
         try:
-            t, mean_context = time_decode(llm, b, args.context, args.steps)
+            t, mean_context = time_decode(llm, b, args.context, args.steps, args.profile_steps)
         except RuntimeError as e:
             print(f"batch {b}: {e}")
             break

@@ -154,7 +154,9 @@ class ModelRunner:
         else:
             hidden = self.model(self._tensor(plan.input_ids), self.forward_context(plan, kv_caches))
         logits = None
-        if plan.logit_rows.size:
+        if plan.logit_rows.size == hidden.shape[0]:  # every row (rows are sorted and distinct):
+            logits = self.model.compute_logits(hidden)  # no index, no host copy mid-step
+        elif plan.logit_rows.size:
             logits = self.model.compute_logits(hidden[self._tensor(plan.logit_rows)])
         return StepOutput(hidden, logits)
 
