@@ -186,8 +186,9 @@ def _decode_rows(seqs: list[Sequence]) -> tuple[PlanRows, np.ndarray, np.ndarray
     goes to the handler), and a prompt whose last token alone is computed in this step (the
     rest came from the prefix cache): it may be the selected token (a custom row too), and a
     scoring-only request (max_new_tokens = 0) samples nothing."""
-    special = [i for i, s in enumerate(seqs)
-               if s.scoring_reason is not None or len(s.token_ids) == s.num_prompt_tokens]
+    # a decode row computes token num_computed_tokens, a prompt token below num_prompt_tokens
+    special = [s for s in seqs if s.scoring_reason is not None
+               or s.num_computed_tokens < s.num_prompt_tokens]
     if not special:
         return PlanRows(list(seqs), []), np.arange(len(seqs), dtype=np.int64), np.zeros(0, np.int64)
     rows, logit_rows, custom_rows = PlanRows(), [], []

@@ -77,15 +77,19 @@ class Scheduler:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
         blocks, block_size = self.blocks, self.blocks.block_size
         running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
+        # bound methods as locals: three appends per sequence per step
+        add_seq, add_count, add_len = (batch.seqs.append, batch.num_new_tokens.append,
+                                       batch.context_lens.append)
         for seq in list(self.running):  # a copy: preemption removes sequences from running
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
+            num_tokens = len(seq.token_ids)
             if seq.request.single:  # the usual case, blocks_to_append inlined: no fork shares
                 # its partly filled block, so it needs a block only when its tokens outgrow
                 # them (BlockManager._needs_new_block, without a call per sequence)
-                if len(seq.token_ids) > len(seq.block_table) * block_size \
+                if num_tokens > len(seq.block_table) * block_size \
                         and not self._reserve_block(seq, batch):
                     continue
             elif seq.request.params.num_beams > 1 and seq.scoring_reason is None:
@@ -98,12 +102,12 @@ class Scheduler:
             elif blocks.blocks_to_append(seq) and not self._reserve_block(seq, batch):
                 continue
             computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
+            n = num_tokens - computed
             if n > budget:
                 n, batch.partial = budget, True
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            batch.context_lens.append(computed + n)
+            add_seq(seq)
+            add_count(n)
+            add_len(computed + n)
             budget -= n
         return budget
 
