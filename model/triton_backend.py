@@ -13,15 +13,18 @@ MAX_KV_SPLITS = 64
 
 def decode_split_policy(max_model_len: int, num_sms: int):
     """splits(batch, kv_heads): the decode KV split count. The base is about one split per 256
-    tokens of the context limit (at most 16); a small batch takes more splits, up to one per 64
-    tokens (at most MAX_KV_SPLITS), so that batch x kv_heads x splits fills the GPU (about two
-    programs per SM): at batch 1 with 8 KV heads the base alone left most SMs idle. Powers of
-    two, so few kernel variants compile."""
+    tokens of the context limit (at most 16); a small batch takes more splits, up to about one
+    per 64 tokens (at most MAX_KV_SPLITS), so that batch x kv_heads x splits fills the GPU
+    (about two programs per SM): at batch 1 with 8 KV heads the base alone left most SMs idle.
+    Always a power of two: each count is a kernel variant to compile (a handful, not one per
+    batch size)."""
     import triton
 
     from model.kernels import num_kv_splits_for
-    base = num_kv_splits_for(max_model_len)
-    cap = max(base, num_kv_splits_for(max_model_len, tokens_per_split=64, max_splits=MAX_KV_SPLITS))
+    base = triton.next_power_of_2(num_kv_splits_for(max_model_len))
+    # one split per 64 tokens of the limit, rounded up: the last splits may stay empty (cheap)
+    cap = max(base, min(MAX_KV_SPLITS, triton.next_power_of_2(
+        num_kv_splits_for(max_model_len, tokens_per_split=64, max_splits=MAX_KV_SPLITS))))
 
     def splits(batch: int, kv_heads: int) -> int:
         want = triton.next_power_of_2(triton.cdiv(2 * num_sms, batch * kv_heads))

@@ -1,7 +1,9 @@
 """StepPlan: everything every rank needs to run one step, and its msgpack codec.
 
-Arrays travel as raw bytes (dtype, shape, buffer), never as Python lists. A plan is
-self-contained: a rank needs nothing from earlier plans but its KV cache.
+Arrays travel as raw bytes (one trailing bin, each array 8-aligned), never as Python lists. A
+plan is self-contained: a rank needs nothing from earlier plans but its KV cache. On rank 0 a
+plan is used up within its step: its block_tables is a view of the planner's buffer, which the
+next build rewrites (copy a plan to keep it; received plans own their arrays).
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ class StepPlan:
     query_start_loc: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B+1]
     context_lens: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B]
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, M]
-    logit_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # rows to sample from
+    # rows to sample from, strictly increasing (the runner takes every row unindexed when
+    # there are as many as rows)
+    logit_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))
     custom_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # rows for the handler
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (src, dst)
     graph_bucket: int = -1  # CUDA-graph batch bucket, -1 = eager
@@ -99,17 +103,28 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 def decode_plan(data: bytes | memoryview) -> StepPlan:
     """The plan in data (any buffer). Its arrays are writable views of one private copy of
-    the data bytes; only plain numeric dtypes are accepted."""
-    body = msgpack.unpackb(data, raw=False)
-    blob = np.frombuffer(body["data"], np.uint8).copy()
-    arrays, pos = {}, 0
-    for name, (dtype, shape) in zip(_ARRAY_FIELDS, body["arrays"], strict=True):
-        dt = np.dtype(dtype)
-        if dt.kind not in "biuf":
-            raise ValueError(f"plan array {name}: dtype {dtype} is not numeric")
-        n = dt.itemsize * math.prod(shape)
-        if pos + n > blob.size:
-            raise ValueError(f"plan array {name} runs past the data")
-        arrays[name] = blob[pos:pos + n].view(dt).reshape(shape)
-        pos += _padded(n)
-    return StepPlan(kind=StepKind(body["kind"]), graph_bucket=body["graph_bucket"], **arrays)
+    the data bytes. A malformed message (not the map above, a non-numeric or byte-swapped
+    dtype, a bad shape, data of the wrong length) is a ValueError."""
+    try:
+        body = msgpack.unpackb(data, raw=False)
+        blob = np.frombuffer(body["data"], np.uint8).copy()
+        arrays, pos = {}, 0
+        for name, (dtype, shape) in zip(_ARRAY_FIELDS, body["arrays"], strict=True):
+            arrays[name] = _view(blob, pos, name, np.dtype(dtype), shape)
+            pos += _padded(arrays[name].nbytes)
+        if pos != blob.size:
+            raise ValueError(f"plan data is {blob.size} bytes, its arrays take {pos}")
+        return StepPlan(kind=StepKind(body["kind"]), graph_bucket=int(body["graph_bucket"]), **arrays)
+    except (TypeError, KeyError, msgpack.UnpackException) as e:
+        raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e
+
+
+def _view(blob: np.ndarray, pos: int, name: str, dt: np.dtype, shape: list) -> np.ndarray:
+    if dt.kind not in "biuf" or not dt.isnative:
+        raise ValueError(f"plan array {name}: dtype {dt.str} is not a native numeric dtype")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"plan array {name}: bad shape {shape}")
+    n = dt.itemsize * math.prod(shape)
+    if pos + n > blob.size:
+        raise ValueError(f"plan array {name} runs past the data")
+    return blob[pos:pos + n].view(dt).reshape(shape)

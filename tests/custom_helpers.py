@@ -7,6 +7,7 @@ so they go through the same loading, weight lookup and dry run as a deployment's
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,7 +282,7 @@ def run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, dict | No
     execute = engine.runner.execute
 
     def recording_execute(plan, *args, **kwargs):
-        plans.append(plan)
+        plans.append(copy.deepcopy(plan))  # a plan's block tables live until the next build
         return execute(plan, *args, **kwargs)
 
     engine.runner.execute = recording_execute

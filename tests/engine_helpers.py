@@ -4,6 +4,7 @@ no-leak check in conftest.py watches, transformers references, and probes into a
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def capture_plans(llm: LLM):
     original = runner.execute
 
     def wrapper(plan, *args, **kwargs):
-        plans.append(plan)
+        plans.append(copy.deepcopy(plan))  # a plan's block tables live until the next build
         return original(plan, *args, **kwargs)
 
     runner.execute = wrapper

@@ -270,22 +270,26 @@ def test_decode_cuda_graph_replay() -> None:
 # ---------------------------------------------------------------- decode split policy
 @needs_triton
 def test_decode_split_policy_fills_the_gpu_for_small_batches() -> None:
-    """Large batches keep the context-limit base; a small batch takes more splits (powers of
-    two, capped at one per 64 tokens of the limit and at MAX_KV_SPLITS) until batch x KV heads
-    x splits gives about two programs per SM; fewer KV heads never means fewer splits, so the
-    backend's workspace, sized for one KV head, fits every batch."""
+    """Powers of two only (each is a kernel variant): large batches keep the context-limit
+    base, a small batch takes more splits, capped at one per 64 tokens of the limit (rounded up
+    to a power of two) and at
+    MAX_KV_SPLITS, until batch x KV heads x splits gives about two programs per SM; fewer KV
+    heads never means fewer splits, so the backend's workspace, sized for one KV head, fits
+    every batch."""
+    import triton
+
     from model.kernels import num_kv_splits_for
     from model.triton_backend import MAX_KV_SPLITS, decode_split_policy
     for limit in (1200, 4096, 40960):
-        splits, base = decode_split_policy(limit, num_sms=132), num_kv_splits_for(limit)
-        cap = max(base, min(MAX_KV_SPLITS, -(-limit // 64)))
+        splits = decode_split_policy(limit, num_sms=132)
+        base = triton.next_power_of_2(num_kv_splits_for(limit))
+        cap = max(base, min(MAX_KV_SPLITS, triton.next_power_of_2(-(-limit // 64))))
         assert splits(256, 8) == base
         for kv_heads in (1, 2, 8):
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
-                assert base <= s <= cap
-                assert s in (base, cap) or s & (s - 1) == 0
-                assert s == cap or s == base or batch * kv_heads * s >= 2 * 132
+                assert base <= s <= cap and s & (s - 1) == 0
+                assert s == base or 2 * s > cap or batch * kv_heads * s >= 2 * 132
                 assert s <= splits(batch, 1)
     assert decode_split_policy(40960, 132)(1, 8) == MAX_KV_SPLITS
-    assert decode_split_policy(1200, 132)(1, 8) == 19  # one split per 64 tokens of 1200
+    assert decode_split_policy(1200, 132)(1, 8) == 32  # 19 splits of 64 tokens, rounded up

@@ -54,3 +54,27 @@ def test_the_message_is_one_msgpack_map_with_the_data_last() -> None:
     assert list(body) == ["kind", "graph_bucket", "arrays", "data"]
     assert body["arrays"][5] == ["<i4", [4, 6]]  # block_tables, in field order
     assert len(body["data"]) % 8 == 0
+
+
+def test_malformed_messages_are_value_errors() -> None:
+    """A broken plan message is refused with a ValueError naming what is wrong, never
+    mis-read: a negative dimension, a byte-swapped dtype, data of the wrong length, a missing
+    key, a body that is not a map."""
+    import pytest
+    good = msgpack.unpackb(encode_plan(_plan(np.random.default_rng(2), 4, 6)), raw=False)
+
+    def broken(**change) -> bytes:
+        return msgpack.packb({**good, **change}, use_bin_type=True)
+    arrays = [list(a) for a in good["arrays"]]
+    negative = [a[:] for a in arrays]
+    negative[8] = [negative[8][0], [-1, 2]]  # block_copies
+    swapped = [a[:] for a in arrays]
+    swapped[0] = [">i8", swapped[0][1]]
+    for message, why in [(broken(arrays=negative), "bad shape"),
+                         (broken(arrays=swapped), "native"),
+                         (broken(data=good["data"] + b"\0" * 8), "bytes"),
+                         (broken(data=good["data"][:-16]), "past the data"),
+                         (msgpack.packb({k: v for k, v in good.items() if k != "kind"}), "KeyError"),
+                         (msgpack.packb([1, 2, 3]), "malformed")]:
+        with pytest.raises(ValueError, match=why):
+            decode_plan(message)

@@ -63,6 +63,8 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float]
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be 2-D with a contiguous last dim")
     rows, vocab = logits.shape
+    if len(temperatures) != rows:
+        raise ValueError(f"{len(temperatures)} temperatures for {rows} rows")
     if rows * vocab >= 2**31:
         raise ValueError("rows * vocab must stay below 2**31 (Philox counters are int32)")
     if isinstance(temperatures, list) and rows and temperatures.count(temperatures[0]) == rows:
