@@ -44,7 +44,7 @@ class Planner:
         counts = batch.num_new_tokens
         if not batch.partial and (not counts or min(counts) == max(counts) == 1):
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
-        one_token = np.asarray(batch.num_new_tokens) == 1
+        one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
         return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs), context_lens)

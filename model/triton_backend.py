@@ -42,13 +42,21 @@ def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model
     rows = max(b * splits_for(b, 1) for b in range(1, max_batch + 1))
     part_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+    # per (batch, kv_heads): the split count and its workspace views, made once (eager decode
+    # calls this once per layer per step)
+    layouts: dict[tuple[int, int], tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def layout(batch: int, kv_heads: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        splits = splits_for(batch, kv_heads)
+        return splits, (part_out[:batch * num_heads * splits * head_dim].view(batch, num_heads, splits, head_dim),
+                        part_lse[:batch * num_heads * splits].view(batch, num_heads, splits))
 
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        batch = q.shape[0]
-        splits = splits_for(batch, k_cache.shape[2])
-        workspace = (part_out[:batch * num_heads * splits * head_dim].view(batch, num_heads, splits, head_dim),
-                     part_lse[:batch * num_heads * splits].view(batch, num_heads, splits))
+        key = (q.shape[0], k_cache.shape[2])
+        if key not in layouts:
+            layouts[key] = layout(*key)
+        splits, workspace = layouts[key]
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                       scale, num_kv_splits=splits, workspace=workspace)
 
