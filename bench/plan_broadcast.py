@@ -4,13 +4,15 @@ Goal: at most 1.5x the bare broadcast.
 
     python bench/plan_broadcast.py [--batch 256] [--context 2048] [--steps 200] [--rounds 5]
 
-The planner is the engine's (its block-table buffer persists across steps). Between plans the
-batch decodes as in the engine (DecodeSimulation, not timed): every sequence advances by a
-token and one in 16 takes a new block (its table grows by an entry, with a new stamp). The
-bare broadcast has the size of the plan halfway through a round. Bare and plan rounds
-alternate; the best round of each is reported (shared machines are noisy), with the best
-round's phases in microseconds per step: rank 0's build and send (encode and broadcast),
-rank 1's receive (broadcast and decode).
+The batch is the engine's: the real Scheduler and BlockManager schedule it (prompts of
+context - i % 16 tokens, so that one sequence in 16 takes a new block at each step), and
+between plans every sequence advances by a token as Engine._postprocess leaves it. The
+planner is the engine's (its block-table buffer persists across steps). Scheduling and the
+advance are the engine's other work, not the plan's: they are left out of the timing (the
+scheduler's pass is in bench/step_overhead.py). The bare broadcast has the size of the plan
+halfway through a round. Bare and plan rounds alternate; the best round of each is reported
+(shared machines are noisy), with the best round's phases in microseconds per step: rank 0's
+build and send (encode and broadcast), rank 1's receive (broadcast and decode).
 """
 from __future__ import annotations
 
@@ -20,7 +22,6 @@ import os
 import socket
 import sys
 import time
-from itertools import count
 from pathlib import Path
 
 import torch
@@ -29,62 +30,54 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from coordinator.blocks import BlockManager  # noqa: E402
 from coordinator.planner import Planner  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from coordinator.scheduler import ScheduledBatch  # noqa: E402
-from coordinator.sequence import Request, Sequence, SeqStatus  # noqa: E402
+from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
+from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
 from ranks.plan import encode_plan  # noqa: E402
 
-
-def decode_batch(batch: int, context: int, block_size: int) -> ScheduledBatch:
-    """batch sequences decoding at about `context` tokens, staggered so that one in
-    block_size takes a new block at each step."""
-    out = ScheduledBatch()
-    for i in range(batch):
-        length = context - i % block_size
-        blocks = -(-length // block_size)
-        req = Request(str(i), [1] * (length - 1), SamplingParams(), i)
-        seq = Sequence(i, req, [1] * length, length - 1, status=SeqStatus.RUNNING,
-                       block_table=list(range(i * 1000, i * 1000 + blocks)),
-                       num_computed_tokens=length - 1, block_table_version=i + 1)
-        req.sequences.append(seq)
-        out.seqs.append(seq)
-        out.num_new_tokens.append(1)
-        out.context_lens.append(length)
-    return out
+BLOCK_SIZE = 16
 
 
-class DecodeSimulation:
-    """What the engine does to the batch between two plans, done the engine's way: every
-    sequence appends a token and advances by one, and a sequence whose tokens outgrow its
-    table appends a block (BlockManager.append_slot: new stamp, the old one as its base)."""
+class DecodingBatch:
+    """batch sequences decoding at about `context` tokens through the engine's scheduler, each
+    with a prompt of its own (no prefix-cache sharing)."""
 
-    def __init__(self, batch: ScheduledBatch, block_size: int, first_stamp: int):
-        self.batch, self.block_size, self.stamps = batch, block_size, count(first_stamp)
+    def __init__(self, batch: int, context: int, steps: int):
+        blocks = batch * (-(-(context + steps) // BLOCK_SIZE) + 1)
+        self.scheduler = Scheduler(SchedulerConfig(batch, 1 << 30), BlockManager(blocks, BLOCK_SIZE))
+        factory = SequenceFactory()
+        for i in range(batch):
+            prompt = [(7919 * i + j) % 50000 for j in range(context - i % BLOCK_SIZE)]
+            request = Request(str(i), prompt, SamplingParams(max_new_tokens=steps + 8), i)
+            factory.prompt_sequence(request)
+            self.scheduler.add(request)
+        self.advance(self.scheduler.schedule())  # the prefill step
 
-    def advance(self) -> None:
-        batch = self.batch
-        for seq in batch.seqs:
+    def advance(self, batch: ScheduledBatch) -> None:
+        """What Engine._postprocess does to a decoding batch: the KV is computed, full blocks
+        go to the prefix cache, a token is appended."""
+        blocks = self.scheduler.blocks
+        for seq, context_len in zip(batch.seqs, batch.context_lens):
+            filled = context_len // BLOCK_SIZE != seq.num_computed_tokens // BLOCK_SIZE
+            seq.num_computed_tokens = context_len
+            if filled:
+                blocks.register_computed(seq)
             seq.token_ids.append(1)
-            seq.num_computed_tokens += 1
-            if len(seq.token_ids) > len(seq.block_table) * self.block_size:
-                seq.block_table.append(seq.block_table[-1] + 1)
-                seq.block_table_base = seq.block_table_version
-                seq.block_table_version = next(self.stamps)
-        batch.context_lens = [len(seq.token_ids) for seq in batch.seqs]
 
 
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = PlanChannel(dist.group.WORLD)
-    planner = Planner(16)
+    planner = Planner(BLOCK_SIZE)
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
-        probe = decode_batch(args.batch, args.context + args.steps // 2, 16)
-        sizes[0] = len(encode_plan(Planner(16).build(probe)[0]))
+        probe = DecodingBatch(args.batch, args.context + args.steps // 2, args.steps)
+        sizes[0] = len(encode_plan(Planner(BLOCK_SIZE).build(probe.scheduler.schedule())[0]))
     dist.broadcast(sizes, src=0)
     nbytes = int(sizes[0])
     bare = torch.zeros(nbytes, dtype=torch.uint8)
@@ -92,31 +85,32 @@ def worker(rank: int, port: int, args, results) -> None:
     phases = {"build": [], "send": [], "recv": []}  # per plan round: mean us per step
     for name in ("bare", "plan") * (args.rounds + 1):  # the first pair is a warm-up
         if name == "plan" and rank == 0:  # each round decodes from the same start
-            batch = decode_batch(args.batch, args.context, 16)
-            simulation = DecodeSimulation(batch, 16, first_stamp=(len(timings) + 1) * 10**6)
+            decoding = DecodingBatch(args.batch, args.context, args.steps)
         dist.barrier()
         start = time.perf_counter()
-        spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "simulation": 0.0}
+        spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
         for _ in range(args.steps):
             if name == "bare":
                 dist.broadcast(bare, src=0)
             elif rank == 0:
                 t0 = time.perf_counter()
-                plan = planner.build(batch)[0]
+                batch = decoding.scheduler.schedule()
                 t1 = time.perf_counter()
-                channel.send(plan)
+                plan = planner.build(batch)[0]
                 t2 = time.perf_counter()
-                simulation.advance()
-                spent["build"] += t1 - t0
-                spent["send"] += t2 - t1
-                spent["simulation"] += time.perf_counter() - t2
+                channel.send(plan)
+                t3 = time.perf_counter()
+                decoding.advance(batch)
+                spent["build"] += t2 - t1
+                spent["send"] += t3 - t2
+                spent["engine"] += time.perf_counter() - t3 + t1 - t0
             else:
                 t0 = time.perf_counter()
                 channel.recv()
                 spent["recv"] += time.perf_counter() - t0
         dist.barrier()
-        # the simulated engine work between plans is not the plan's cost
-        elapsed = (time.perf_counter() - start - spent["simulation"]) / args.steps * 1e3
+        # the engine's other work between plans (scheduling, the advance) is not the plan's cost
+        elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3
         timings[name] = elapsed if name not in timings else min(timings[name], elapsed)
         if name == "plan":
             for key in ("build", "send") if rank == 0 else ("recv",):

@@ -42,12 +42,14 @@ class Planner:
         context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
-        if not batch.partial and (not counts or min(counts) == max(counts) == 1):
-            return _decode_plan(batch, self.block_size, self.tables.gather(seqs), context_lens)
+        if not batch.partial and counts.count(1) == len(counts):
+            return _decode_plan(batch, self.block_size, self.tables.gather(seqs, batch.table_stamps),
+                                context_lens)
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
-        return _mixed_plan(batch, kind, self.block_size, self.tables.gather(seqs), context_lens)
+        tables = self.tables.gather(seqs, batch.table_stamps)
+        return _mixed_plan(batch, kind, self.block_size, tables, context_lens)
 
 
 def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: np.ndarray,
@@ -105,14 +107,15 @@ class BlockTableBuffer:
         # per row: the stamp of the table it holds, and that table's length
         self._version = self._length = np.zeros(0, np.int64)
 
-    def gather(self, seqs: list[Sequence]) -> np.ndarray:
+    def gather(self, seqs: list[Sequence], stamps: list[int]) -> np.ndarray:
         """The tables of seqs, [len(seqs), longest table], zero-padded: a view of the buffer,
-        valid until the next gather (a plan is used up within its step)."""
+        valid until the next gather (a plan is used up within its step). stamps: each
+        sequence's block_table_version (as the scheduler read it)."""
         n = len(seqs)
-        version = np.asarray([s.block_table_version for s in seqs], np.int64)
+        version = np.array(stamps, np.int64)
         self._reserve_rows(n)
-        stale = np.flatnonzero(self._version[:n] != version).tolist()
-        if stale:
+        stale = np.flatnonzero(self._version[:n] != version)
+        if stale.size:
             self._update(seqs, stale)
         self._version[:n] = version
         width = int(self._length[:n].max(initial=0))
@@ -120,30 +123,31 @@ class BlockTableBuffer:
             self._set_width(width)
         return self._array[:n]
 
-    def _update(self, seqs: list[Sequence], stale: list[int]) -> None:
+    def _update(self, seqs: list[Sequence], stale: np.ndarray) -> None:
         """Rewrite the stale rows; a row whose table only grew gets its new entries alone,
         all such rows in one scatter (decoding appends one block per row every so often)."""
-        tables = [seqs[i].block_table for i in stale]
-        grown = [self._version[i] == seqs[i].block_table_base for i in stale]
-        for i, extends in zip(stale, grown):
-            if not extends:
-                self._length[i] = 0
-        width = max(map(len, tables))
-        if width > self._array.shape[1]:
-            self._set_width(width)
-        rows, cols, values = [], [], []
-        for i, table, extends in zip(stale, tables, grown):
-            start = int(self._length[i])
-            if extends:
+        indices = stale.tolist()
+        held = zip(self._version[stale].tolist(), self._length[stale].tolist())
+        rows, cols, values, lengths = [], [], [], []
+        for i, (version, length) in zip(indices, held):
+            seq = seqs[i]
+            table = seq.block_table
+            start = length if version == seq.block_table_base else 0
+            if start:  # only grew: its new entries go into the scatter
                 rows += [i] * (len(table) - start)
                 cols += range(start, len(table))
                 values += table[start:]
             else:
+                if len(table) > self._array.shape[1]:
+                    self._set_width(len(table))
                 self._array[i, :len(table)] = table
                 self._array[i, len(table):] = 0
-            self._length[i] = len(table)
+            lengths.append(len(table))
         if rows:
+            if max(cols) >= self._array.shape[1]:
+                self._set_width(max(cols) + 1)
             self._array[rows, cols] = values
+        self._length[stale] = lengths
 
     def _reserve_rows(self, rows: int) -> None:
         have = self._array.shape[0]
@@ -168,10 +172,10 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
                  context_lens: np.ndarray) -> tuple[StepPlan, PlanRows]:
     """The common case, vectorized: every sequence computes its one newest token."""
     seqs = batch.seqs
-    ids = np.asarray([s.token_ids[-1] for s in seqs], np.int64)
+    ids = np.array(batch.last_token_ids, np.int64)
     positions = context_lens.astype(np.int64) - 1
     blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
-    rows, logit_rows, custom_rows = _decode_rows(seqs)
+    rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows)
     plan = StepPlan(
         kind=StepKind.DECODE, input_ids=ids, positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,
@@ -181,15 +185,13 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
     return plan, rows
 
 
-def _decode_rows(seqs: list[Sequence]) -> tuple[PlanRows, np.ndarray, np.ndarray]:
+def _decode_rows(seqs: list[Sequence],
+                 has_special_rows: bool) -> tuple[PlanRows, np.ndarray, np.ndarray]:
     """Every row samples, except: a LAST_GENERATED sequence scoring its last token (its row
     goes to the handler), and a prompt whose last token alone is computed in this step (the
     rest came from the prefix cache): it may be the selected token (a custom row too), and a
     scoring-only request (max_new_tokens = 0) samples nothing."""
-    # a decode row computes token num_computed_tokens, a prompt token below num_prompt_tokens
-    special = [s for s in seqs if s.scoring_reason is not None
-               or s.num_computed_tokens < s.num_prompt_tokens]
-    if not special:
+    if not has_special_rows:
         return PlanRows(list(seqs), []), np.arange(len(seqs), dtype=np.int64), np.zeros(0, np.int64)
     rows, logit_rows, custom_rows = PlanRows(), [], []
     for i, s in enumerate(seqs):

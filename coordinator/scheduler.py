@@ -29,10 +29,18 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step and how many new tokens each computes, in packed order."""
+    """Sequences of one step and how many new tokens each computes, in packed order.
+
+    The per-row lists are read from each sequence in the scheduler's own pass over it, so
+    that the planner reads no sequence to build a decode step (its input tokens and block
+    tables) unless has_special_rows says some row needs a closer look."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
+    last_token_ids: list[int] = field(default_factory=list)  # each sequence's newest token
+    table_stamps: list[int] = field(default_factory=list)  # block_table_version after appends
+    # some row computes a prompt token or scores its last token (LAST_GENERATED)
+    has_special_rows: bool = False
     # some row computes fewer tokens than it has uncomputed (the token budget ran out, or
     # beams hold back their last token): the step is not decode-shaped even if each computes 1
     partial: bool = False
@@ -41,6 +49,24 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        """Schedule n new tokens of seq (the running loop inlines this)."""
+        computed = seq.num_computed_tokens
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.context_lens.append(computed + n)
+        self.last_token_ids.append(seq.token_ids[-1])
+        self.table_stamps.append(seq.block_table_version)
+        self.partial |= computed + n < seq.num_tokens
+        self.has_special_rows |= computed < seq.num_prompt_tokens or seq.scoring_reason is not None
+
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule seq (preempted after it was scheduled)."""
+        i = self.seqs.index(seq)
+        for rows in (self.seqs, self.num_new_tokens, self.context_lens, self.last_token_ids,
+                     self.table_stamps):
+            del rows[i]
 
 
 class Scheduler:
@@ -77,15 +103,19 @@ class Scheduler:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
         blocks, block_size = self.blocks, self.blocks.block_size
         running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
-        # bound methods as locals: three appends per sequence per step
-        add_seq, add_count, add_len = (batch.seqs.append, batch.num_new_tokens.append,
-                                       batch.context_lens.append)
+        # bound methods as locals: five appends per sequence per step (ScheduledBatch.add
+        # inlined; its partial and has_special_rows tests are needed only past a prompt)
+        add_seq, add_count, add_len, add_last, add_stamp = (
+            batch.seqs.append, batch.num_new_tokens.append, batch.context_lens.append,
+            batch.last_token_ids.append, batch.table_stamps.append)
+        special = False
         for seq in list(self.running):  # a copy: preemption removes sequences from running
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
-            num_tokens = len(seq.token_ids)
+            token_ids = seq.token_ids
+            num_tokens = len(token_ids)
             if seq.request.single:  # the usual case, blocks_to_append inlined: no fork shares
                 # its partly filled block, so it needs a block only when its tokens outgrow
                 # them (BlockManager._needs_new_block, without a call per sequence)
@@ -108,7 +138,12 @@ class Scheduler:
             add_seq(seq)
             add_count(n)
             add_len(computed + n)
+            add_last(token_ids[-1])
+            add_stamp(seq.block_table_version)
+            if computed < seq.num_prompt_tokens or seq.scoring_reason is not None:
+                special = True
             budget -= n
+        batch.has_special_rows |= special
         return budget
 
     def _group(self, seq: Sequence) -> list[Sequence]:
@@ -139,8 +174,7 @@ class Scheduler:
         request = seqs[0].request
         for seq in seqs:
             if seq in batch.seqs:
-                i = batch.seqs.index(seq)
-                del batch.seqs[i], batch.num_new_tokens[i], batch.context_lens[i]
+                batch.drop(seq)
             if seq in self.running:
                 self.running.remove(seq)
             self.blocks.free_sequence(seq)
@@ -179,10 +213,7 @@ class Scheduler:
         for seq, need in zip(seqs, needs):
             n = min(need, budget)
             if n > 0:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                batch.context_lens.append(seq.num_computed_tokens + n)
-                batch.partial |= n < seq.num_tokens - seq.num_computed_tokens
+                batch.add(seq, n)
                 budget -= n
         return budget
 
