@@ -11,7 +11,8 @@ makes the draw itself (an argmax over 39M floats) most of the step; `--vocab 102
 the bookkeeping alone.
 
 Prints the best and the median round (--steps decode steps each): shared machines are noisy,
-and the best round is the code's cost with the least interference.
+and the best round is the code's cost with the least interference. `--phases` also prints the
+mean µs per step of each phase of Engine.step (a timer around each; ~1 µs added per phase).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--phases", action="store_true", help="time each phase of Engine.step")
     args = p.parse_args()
     torch.set_num_threads(1)
     total = args.steps * args.rounds
@@ -79,6 +81,7 @@ def main() -> None:
         engine.add_request(str(i), [(i + j) % 1000 for j in range(args.context)], params)
     engine.step()  # the prefill step
     engine.step()
+    phases = time_phases(engine) if args.phases else {}
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
@@ -91,10 +94,34 @@ def main() -> None:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    print(json.dumps({"seqs": args.seqs, "context": args.context, "vocab": args.vocab,
-                      "temperature": args.temperature, "device": args.device,
-                      "coordinator_ms_per_decode_step": round(min(rounds) * 1e3, 3),
-                      "median_round_ms": round(statistics.median(rounds) * 1e3, 3)}))
+    figures = {"seqs": args.seqs, "context": args.context, "vocab": args.vocab,
+               "temperature": args.temperature, "device": args.device,
+               "coordinator_ms_per_decode_step": round(min(rounds) * 1e3, 3),
+               "median_round_ms": round(statistics.median(rounds) * 1e3, 3)}
+    if phases:
+        figures["phases_us_per_step"] = {k: round(v * 1e6 / total, 1) for k, v in phases.items()}
+    print(json.dumps(figures))
+
+
+def time_phases(engine: Engine) -> dict[str, float]:
+    """Wrap the engine's step phases in timers; returns the dict they add seconds to."""
+    spent: dict[str, float] = {}
+    targets = {"schedule": (engine.scheduler, "schedule"), "build": (engine.planner, "build"),
+               "execute": (engine.runner, "execute"), "postprocess": (engine, "_postprocess"),
+               "sample": (engine, "_sample"), "outputs": (engine, "_collect_outputs")}
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, _timed(getattr(owner, attr), name, spent))
+    return spent
+
+
+def _timed(fn, name: str, spent: dict[str, float]):
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    return timed
 
 
 if __name__ == "__main__":
