@@ -36,6 +36,7 @@ class Planner:
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.tables = BlockTableBuffer()
+        self._ranges: dict[int, np.ndarray] = {}  # n -> arange(n + 1), shared by decode plans
 
     def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
         seqs = batch.seqs
@@ -44,12 +45,20 @@ class Planner:
         counts = batch.num_new_tokens
         if not batch.partial and counts.count(1) == len(counts):
             return _decode_plan(batch, self.block_size, self.tables.gather(seqs, batch.table_stamps),
-                                context_lens)
+                                context_lens, self._range(len(seqs)))
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
         tables = self.tables.gather(seqs, batch.table_stamps)
         return _mixed_plan(batch, kind, self.block_size, tables, context_lens)
+
+
+    def _range(self, n: int) -> np.ndarray:
+        """arange(n + 1) as int64, made once per batch size: a decode plan's query starts
+        and logit rows are its views (read by the runner and the codec, never written)."""
+        if n not in self._ranges:
+            self._ranges[n] = np.arange(n + 1, dtype=np.int64)
+        return self._ranges[n]
 
 
 def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: np.ndarray,
@@ -89,6 +98,8 @@ def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: 
 
 
 def _copies(batch: ScheduledBatch) -> np.ndarray:
+    if not batch.block_copies:
+        return np.zeros((0, 2), np.int64)
     return np.asarray(batch.block_copies, np.int64).reshape(-1, 2)
 
 
@@ -169,30 +180,35 @@ class BlockTableBuffer:
 
 
 def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
-                 context_lens: np.ndarray) -> tuple[StepPlan, PlanRows]:
-    """The common case, vectorized: every sequence computes its one newest token."""
+                 context_lens: np.ndarray, arange: np.ndarray) -> tuple[StepPlan, PlanRows]:
+    """The common case, vectorized: every sequence computes its one newest token.
+    arange: arange(len(seqs) + 1), int64."""
     seqs = batch.seqs
-    ids = np.array(batch.last_token_ids, np.int64)
-    positions = context_lens.astype(np.int64) - 1
-    blocks = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64)
-    rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows)
+    n = len(seqs)
+    positions = context_lens - 1  # int32 here; int64 on the wire (the StepPlan dtypes)
+    blocks = tables[arange[:n], positions // block_size]
+    slots = blocks.astype(np.int64)
+    slots *= block_size
+    slots += positions % block_size
+    rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows, arange[:n])
     plan = StepPlan(
-        kind=StepKind.DECODE, input_ids=ids, positions=positions,
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start_loc=np.arange(len(seqs) + 1, dtype=np.int32), context_lens=context_lens,
+        kind=StepKind.DECODE, input_ids=np.array(batch.last_token_ids, np.int64),
+        positions=positions.astype(np.int64), slot_mapping=slots,
+        query_start_loc=arange.astype(np.int32), context_lens=context_lens,
         block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
         block_copies=_copies(batch))
     return plan, rows
 
 
-def _decode_rows(seqs: list[Sequence],
-                 has_special_rows: bool) -> tuple[PlanRows, np.ndarray, np.ndarray]:
+def _decode_rows(seqs: list[Sequence], has_special_rows: bool,
+                 every_row: np.ndarray) -> tuple[PlanRows, np.ndarray, np.ndarray]:
     """Every row samples, except: a LAST_GENERATED sequence scoring its last token (its row
     goes to the handler), and a prompt whose last token alone is computed in this step (the
     rest came from the prefix cache): it may be the selected token (a custom row too), and a
-    scoring-only request (max_new_tokens = 0) samples nothing."""
+    scoring-only request (max_new_tokens = 0) samples nothing. every_row: arange(len(seqs)),
+    int64, the logit rows when no row is special."""
     if not has_special_rows:
-        return PlanRows(list(seqs), []), np.arange(len(seqs), dtype=np.int64), np.zeros(0, np.int64)
+        return PlanRows(list(seqs), []), every_row, np.zeros(0, np.int64)
     rows, logit_rows, custom_rows = PlanRows(), [], []
     for i, s in enumerate(seqs):
         if s.scoring_reason is not None:

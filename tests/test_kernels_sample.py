@@ -36,7 +36,7 @@ def check_distribution(device: str, rows: int, logits: list[float], temperatures
         assert ((freq - want).abs() <= bound).all(), (temperature, freq, want)
         few = slice(0, 20)
         again = gumbel_sample(batch[few], temps[few], seed=11).cpu()
-        assert torch.equal(again, got[few]), "a seed fixes the draw (Philox counters per row and column)"
+        assert torch.equal(again, got[few]), "a seed fixes the draw (hashed counters per row and column)"
         assert not torch.equal(gumbel_sample(batch[few], temps[few], seed=12).cpu(), got[few])
 
 
@@ -64,6 +64,37 @@ def check_wide_rows(device: str, vocab: int) -> None:
     assert mixed[0::2] == [winners[3]] * 12 and len(set(mixed[1::2])) > 6
 
 
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's hash in int64 torch arithmetic (low 32 bits kept after each multiply)."""
+    mask = 0xFFFFFFFF
+    x = x & mask
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & mask
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & mask
+    return x ^ (x >> 16)
+
+
+def check_matches_reference(device: str, rows: int, vocab: int) -> None:
+    """The kernel's draws are those of the documented recipe, recomputed here in torch:
+    u = lowbias32(row * vocab + v + lowbias32(seed)), 24 bits; argmax of x / T - log(-log u)."""
+    from model.kernels.sample import gumbel_sample
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, vocab, generator=gen)
+    temps = torch.rand(rows, generator=gen) + 0.5
+    seed = 123457
+    counters = torch.arange(rows * vocab, dtype=torch.int64).view(rows, vocab)
+    bits = _lowbias32(counters + _lowbias32(torch.tensor(seed)))
+    u = ((bits >> 8).double() + 0.5) / 2**24
+    want = (logits.double() / temps.double()[:, None] - torch.log(-torch.log(u))).argmax(dim=1)
+    got = gumbel_sample(logits.to(device), temps, seed).cpu()
+    assert torch.equal(got, want), (got != want).nonzero()
+
+
+def _cpu_reference() -> None:
+    check_matches_reference("cpu", rows=8, vocab=700)
+
+
 def _cpu_distribution() -> None:  # the interpreter runs ~20 ms a row: few rows, far-apart p
     check_distribution("cpu", rows=150, logits=[0.0, 1.0, 2.0], temperatures=[0.8])
 
@@ -72,7 +103,7 @@ def _cpu_wide() -> None:
     check_wide_rows("cpu", vocab=5000)
 
 
-CPU_CHECKS = {"distribution": _cpu_distribution, "wide": _cpu_wide}
+CPU_CHECKS = {"distribution": _cpu_distribution, "wide": _cpu_wide, "reference": _cpu_reference}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +126,13 @@ def test_sample_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
 def test_sample_distribution_gpu(dtype: torch.dtype) -> None:
     check_distribution("cuda", rows=200_000, logits=[1.0, 0.0, 2.5, -1.0, 0.5, 2.0],
                        temperatures=[0.7, 1.5], dtype=dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_sample_matches_reference_gpu() -> None:
+    check_matches_reference("cuda", rows=64, vocab=151_936)
 
 
 @pytest.mark.gpu
