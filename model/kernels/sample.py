@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096  # vocab entries per loop iteration (fixed: no autotuning at start-up)
+_LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -35,10 +36,12 @@ def _lowbias32(x):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a seed of 1 would otherwise become a constexpr
 def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp, out_ptr, vocab, seed,
                           PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """inv_temp: 1 / temperature, a pointer to one per row (PER_ROW) or one float for all."""
+    """inv_temp: log2(e) / temperature, a pointer to one per row (PER_ROW) or one float for
+    all. Base-2 logarithms: argmax(x / T - ln(-ln u)) = argmax(x log2(e) / T - log2(-log2 u)),
+    and log2 is the GPU's native one."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride
     if PER_ROW:
@@ -54,7 +57,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp, out_ptr, vocab, seed,
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         bits = _lowbias32(first + cols.to(tl.uint32))
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # 24 bits, in (0, 1)
-        score = tl.where(mask, x * inv_temp - tl.log(-tl.log(u)), float("-inf"))
+        # the Gumbel score over ln 2: x / (T ln 2) - log2(-log2(u)) + a constant
+        score = tl.where(mask, x * inv_temp - tl.log2(-tl.log2(u)), float("-inf"))
         better = score > best  # strict: per lane, the first column wins a tie
         best = tl.where(better, score, best)
         best_idx = tl.where(better, cols, best_idx)
@@ -75,10 +79,10 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float]
     if rows * vocab >= 2**31:
         raise ValueError("rows * vocab must stay below 2**31 (the counters are int32)")
     if isinstance(temperatures, list) and rows and temperatures.count(temperatures[0]) == rows:
-        inv_temp: torch.Tensor | float = 1.0 / temperatures[0]
+        inv_temp: torch.Tensor | float = _LOG2_E / temperatures[0]
     else:
         inv_temp = torch.as_tensor(temperatures, dtype=torch.float32)
-        inv_temp = (1.0 / inv_temp.to(logits.device)).contiguous()
+        inv_temp = (_LOG2_E / inv_temp.to(logits.device)).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         block = min(_BLOCK, max(4, triton.next_power_of_2(vocab)))
