@@ -10,6 +10,10 @@ The custom head's cost: `--ab-rounds N` with a `--custom-module` whose selector 
 {"position": -1} (e.g. bench/last_token_head.py:LastTokenLinearHead) runs the workload 2N
 times in one engine, alternating head on / head off (prefix caching off, so every round
 computes every prompt), and reports both the best and the median round of each.
+
+`--step-kinds` also reports, per plan kind (prefill, mixed, decode), the number of steps and
+the wall seconds of the engine steps that ran them (each step ends in a host sync on its
+sampled tokens, so a step's wall time is its GPU time plus its host work).
 """
 from __future__ import annotations
 
@@ -69,6 +73,30 @@ def head_ab(llm: LLM, prompts, params, args) -> None:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
+def time_step_kinds(engine) -> dict[str, list]:
+    """Wrap engine.step and the planner: {plan kind: [steps, seconds]}, filled as it runs."""
+    kinds: dict[str, list] = {}
+    last_kind = [None]
+    build, step = engine.planner.build, engine.step
+
+    def kind_noting_build(batch):
+        plan, rows = build(batch)
+        last_kind[0] = plan.kind.name.lower()
+        return plan, rows
+
+    def timed_step():
+        last_kind[0] = None
+        start = time.perf_counter()
+        outputs = step()
+        entry = kinds.setdefault(last_kind[0] or "idle", [0, 0.0])
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
+        return outputs
+
+    engine.planner.build, engine.step = kind_noting_build, timed_step
+    return kinds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (weights loaded)")
@@ -83,6 +111,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--floor-seconds", type=float, help="roofline floor to report the ratio to")
     p.add_argument("--json", help="write the figures to this file")
+    p.add_argument("--step-kinds", action="store_true",
+                   help="steps and seconds per plan kind (prefill / mixed / decode)")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="head on / head off rounds (needs --custom-module)")
     args = p.parse_args()
@@ -100,6 +130,7 @@ def main() -> None:
     if args.ab_rounds:
         head_ab(llm, prompts, params, args)
         return
+    kinds = time_step_kinds(llm.engine) if args.step_kinds else None
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -110,6 +141,8 @@ def main() -> None:
                "custom_module": args.custom_module, "kv_blocks": llm.runner.num_blocks}
     if args.floor_seconds:
         figures["ratio_to_floor"] = round(elapsed / args.floor_seconds, 2)
+    if kinds is not None:
+        figures["step_kinds"] = {k: [n, round(t, 3)] for k, (n, t) in kinds.items()}
     print(json.dumps(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -12,16 +12,27 @@
 - scheduler: every running sequence is live, RUNNING, of a request the engine holds, and
   listed once; its computed tokens fit its blocks.
 
-`watch_steps(llm_or_engine)` makes the engine run `check_engine` after every `step()`. It
-swaps the instance's class for a subclass (no cost in production: only tests call it), so
-helpers that patch `engine.step` on the instance and `del` it later keep working.
+`check_plan(batch, plan, rows, block_size)` checks a freshly built step plan against the
+sequences themselves: the scheduler's per-row records (newest token, table stamp, special
+rows) and every array of the plan equal what the general token-by-token builder makes from
+the sequences, with block tables rebuilt from each sequence's own table.
+
+`watch_steps(llm_or_engine)` makes the engine run `check_engine` after every `step()`, and
+`check_plan` on every plan it builds. It swaps the instances' classes for subclasses (no cost
+in production: only tests call it), so helpers that patch `engine.step` on the instance and
+`del` it later keep working.
 """
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from coordinator.engine import Engine
+from coordinator.planner import PlanRows, _mixed_plan
+from coordinator.scheduler import ScheduledBatch
 from coordinator.sequence import SeqStatus
+from ranks.plan import _ARRAY_FIELDS, StepPlan
 
 
 def block_counts(engine: Engine) -> dict[str, int]:
@@ -88,7 +99,40 @@ def check_engine(engine: Engine) -> None:
             f"waiting request {request.request_id} unknown to the engine"
 
 
+def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size: int) -> None:
+    seqs = batch.seqs
+    assert batch.last_token_ids == [s.token_ids[-1] for s in seqs], "newest tokens"
+    assert batch.table_stamps == [s.block_table_version for s in seqs], "table stamps"
+    special = any(s.scoring_reason is not None or s.num_computed_tokens < s.num_prompt_tokens
+                  for s in seqs)
+    assert batch.has_special_rows == special, f"has_special_rows {batch.has_special_rows}"
+    width = max((len(s.block_table) for s in seqs), default=0)
+    tables = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = s.block_table
+    want, want_rows = _mixed_plan(batch, plan.kind, block_size, tables,
+                                  np.asarray(batch.context_lens, np.int32))
+    for name in _ARRAY_FIELDS:
+        got, ref = getattr(plan, name), getattr(want, name)
+        assert got.dtype == ref.dtype and np.array_equal(got, ref), \
+            f"plan.{name}: {got.tolist()} != {ref.tolist()}"
+    assert list(map(id, rows.logit_seqs)) == list(map(id, want_rows.logit_seqs)), "logit rows"
+    assert list(map(id, rows.custom_seqs)) == list(map(id, want_rows.custom_seqs)), "custom rows"
+
+
 _CHECKED: dict[type, type] = {}
+_CHECKED_PLANNERS: dict[type, type] = {}
+
+
+def _checked_planner_class(cls: type) -> type:
+    if cls not in _CHECKED_PLANNERS:
+        def build(self, batch):
+            plan, rows = cls.build(self, batch)
+            check_plan(batch, plan, rows, self.block_size)
+            return plan, rows
+        _CHECKED_PLANNERS[cls] = type(f"Checked{cls.__name__}", (cls,),
+                                      {"build": build, "__module__": __name__})
+    return _CHECKED_PLANNERS[cls]
 
 
 def _checked_class(cls: type) -> type:
@@ -110,4 +154,6 @@ def watch_steps(target):
     its argument."""
     engine = getattr(target, "engine", target)
     engine.__class__ = _checked_class(type(engine))
+    if not isinstance(engine.planner, tuple(_CHECKED_PLANNERS.values())):
+        engine.planner.__class__ = _checked_planner_class(type(engine.planner))
     return target

@@ -30,7 +30,9 @@ from model.kernels.utils import LOG2E, dot_precision
 DEFAULT_NUM_KV_SPLITS = 16
 
 
-@triton.jit
+# stride_bt is the batch's longest block table: unspecialised, so that a width of 1 or of a
+# multiple of 16 does not compile another variant in the middle of serving (~1 s each)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     part_out_ptr, part_lse_ptr,

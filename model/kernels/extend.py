@@ -55,7 +55,9 @@ def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d
     return acc, m_new, l_i
 
 
-@triton.jit
+# stride_bt is the batch's longest block table: unspecialised, so that a width of 1 or of a
+# multiple of 16 does not compile another variant in the middle of serving (~1 s each)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
