@@ -7,12 +7,17 @@ Goal: at most 1.5x the bare broadcast.
 The batch is the engine's: the real Scheduler and BlockManager schedule it (prompts of
 context - i % 16 tokens, so that one sequence in 16 takes a new block at each step), and
 between plans every sequence advances by a token as Engine._postprocess leaves it. The
-planner is the engine's (its block-table buffer persists across steps). Scheduling and the
-advance are the engine's other work, not the plan's: they are left out of the timing (the
-scheduler's pass is in bench/step_overhead.py). The bare broadcast has the size of the plan
+planner is the engine's (its block-table buffer persists across the steps of a round).
+Scheduling and the advance are the engine's other work, not the plan's: they are left out of
+the timing. Note that the scheduler's pass also records each row's newest token and table
+stamp for the planner (reads the planner used to make itself): their cost is in
+bench/step_overhead.py's "schedule", not here. The bare broadcast has the size of the plan
 halfway through a round. Bare and plan rounds alternate; the best round of each is reported
 (shared machines are noisy), with the best round's phases in microseconds per step: rank 0's
-build and send (encode and broadcast), rank 1's receive (broadcast and decode).
+build and send (encode and broadcast); rank 1's recv (waiting for rank 0, the broadcast and
+the decode) and, of it, the decode. Rank 1 decodes while rank 0 schedules the next step (as
+in the engine, where it decodes while rank 0 prepares its forward), so its decode only counts
+when it is the slower side.
 """
 from __future__ import annotations
 
@@ -72,7 +77,7 @@ def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = PlanChannel(dist.group.WORLD)
-    planner = Planner(BLOCK_SIZE)
+    decode_seconds = _time_plan_decoding() if rank == 1 else [0.0]
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
@@ -82,13 +87,15 @@ def worker(rank: int, port: int, args, results) -> None:
     nbytes = int(sizes[0])
     bare = torch.zeros(nbytes, dtype=torch.uint8)
     timings: dict[str, float] = {}
-    phases = {"build": [], "send": [], "recv": []}  # per plan round: mean us per step
+    phases = {"build": [], "send": [], "recv": [], "decode": []}  # per plan round: us per step
     for name in ("bare", "plan") * (args.rounds + 1):  # the first pair is a warm-up
         if name == "plan" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
+            planner = Planner(BLOCK_SIZE)  # the round's block manager stamps tables anew
         dist.barrier()
         start = time.perf_counter()
         spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
+        decode_seconds[0] = 0.0
         for _ in range(args.steps):
             if name == "bare":
                 dist.broadcast(bare, src=0)
@@ -113,7 +120,8 @@ def worker(rank: int, port: int, args, results) -> None:
         elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3
         timings[name] = elapsed if name not in timings else min(timings[name], elapsed)
         if name == "plan":
-            for key in ("build", "send") if rank == 0 else ("recv",):
+            spent["decode"] = decode_seconds[0]
+            for key in ("build", "send") if rank == 0 else ("recv", "decode"):
                 phases[key].append(spent[key] / args.steps * 1e6)
     results[f"phases_rank{rank}"] = {k: round(min(v[1:]), 1) for k, v in phases.items() if v}
     if rank == 0:
@@ -122,6 +130,20 @@ def worker(rank: int, port: int, args, results) -> None:
                         "plan_build_and_broadcast_ms": round(timings["plan"], 3),
                         "ratio": round(timings["plan"] / timings["bare"], 2)})
     dist.destroy_process_group()
+
+
+def _time_plan_decoding() -> list[float]:
+    """Make PlanChannel.recv's decode add its seconds to the returned one-item list."""
+    import ranks.group
+    decode, seconds = ranks.group.decode_plan, [0.0]
+
+    def timed(payload):
+        start = time.perf_counter()
+        plan = decode(payload)
+        seconds[0] += time.perf_counter() - start
+        return plan
+    ranks.group.decode_plan = timed
+    return seconds
 
 
 def main() -> None:

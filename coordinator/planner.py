@@ -44,8 +44,8 @@ class Planner:
         # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
         if not batch.partial and counts.count(1) == len(counts):
-            return _decode_plan(batch, self.block_size, self.tables.gather(seqs, batch.table_stamps),
-                                context_lens, self._range(len(seqs)))
+            tables = self.tables.gather(seqs, batch.table_stamps)
+            return _decode_plan(batch, self.block_size, tables, context_lens, self._range(len(seqs)))
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
@@ -54,8 +54,9 @@ class Planner:
 
 
     def _range(self, n: int) -> np.ndarray:
-        """arange(n + 1) as int64, made once per batch size: a decode plan's query starts
-        and logit rows are its views (read by the runner and the codec, never written)."""
+        """arange(n + 1) as int64, made once per batch size: a decode plan's logit rows are
+        a view of it (read by the runner and the codec, never written), its query starts
+        an int32 copy."""
         if n not in self._ranges:
             self._ranges[n] = np.arange(n + 1, dtype=np.int64)
         return self._ranges[n]

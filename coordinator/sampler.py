@@ -50,7 +50,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._kernel_seeds = random.Random(seed)  # one Philox seed per sample_temperature call
+        self._kernel_seeds = random.Random(seed)  # one kernel seed per sample_temperature call
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:

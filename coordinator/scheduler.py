@@ -32,8 +32,9 @@ class ScheduledBatch:
     """Sequences of one step and how many new tokens each computes, in packed order.
 
     The per-row lists are read from each sequence in the scheduler's own pass over it, so
-    that the planner reads no sequence to build a decode step (its input tokens and block
-    tables) unless has_special_rows says some row needs a closer look."""
+    that a steady decode step's plan is built from them: the planner reads a sequence only
+    when its block table changed, and every row only when has_special_rows says some row
+    needs a closer look (mixed and prefill steps read every sequence)."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
@@ -62,11 +63,15 @@ class ScheduledBatch:
         self.has_special_rows |= computed < seq.num_prompt_tokens or seq.scoring_reason is not None
 
     def drop(self, seq: Sequence) -> None:
-        """Unschedule seq (preempted after it was scheduled)."""
+        """Unschedule seq (preempted after it was scheduled); the flags are recomputed from
+        the rows left (preemption is rare)."""
         i = self.seqs.index(seq)
         for rows in (self.seqs, self.num_new_tokens, self.context_lens, self.last_token_ids,
                      self.table_stamps):
             del rows[i]
+        self.partial = any(n < s.num_tokens for s, n in zip(self.seqs, self.context_lens))
+        self.has_special_rows = any(s.num_computed_tokens < s.num_prompt_tokens
+                                    or s.scoring_reason is not None for s in self.seqs)
 
 
 class Scheduler:
@@ -104,7 +109,7 @@ class Scheduler:
         blocks, block_size = self.blocks, self.blocks.block_size
         running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
         # bound methods as locals: five appends per sequence per step (ScheduledBatch.add
-        # inlined; its partial and has_special_rows tests are needed only past a prompt)
+        # inlined; partial comes from the budget test)
         add_seq, add_count, add_len, add_last, add_stamp = (
             batch.seqs.append, batch.num_new_tokens.append, batch.context_lens.append,
             batch.last_token_ids.append, batch.table_stamps.append)
@@ -140,7 +145,7 @@ class Scheduler:
             add_len(computed + n)
             add_last(token_ids[-1])
             add_stamp(seq.block_table_version)
-            if computed < seq.num_prompt_tokens or seq.scoring_reason is not None:
+            if not special and (computed < seq.num_prompt_tokens or seq.scoring_reason is not None):
                 special = True
             budget -= n
         batch.has_special_rows |= special

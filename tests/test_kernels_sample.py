@@ -64,20 +64,28 @@ def check_wide_rows(device: str, vocab: int) -> None:
     assert mixed[0::2] == [winners[3]] * 12 and len(set(mixed[1::2])) > 6
 
 
-def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+def _keyed_hash(x: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
     """The kernel's hash in int64 torch arithmetic (low 32 bits kept after each multiply)."""
     mask = 0xFFFFFFFF
     x = x & mask
     x ^= x >> 16
     x = (x * 0x7FEB352D) & mask
+    x ^= key
     x ^= x >> 15
     x = (x * 0x846CA68B) & mask
     return x ^ (x >> 16)
 
 
+def _uniforms(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """The kernel's u for every (row, column), float32."""
+    counters = torch.arange(rows * vocab, dtype=torch.int64).view(rows, vocab)
+    bits = _keyed_hash(counters, _keyed_hash(torch.tensor(seed), 0))
+    return ((bits >> 9).float() + 0.5) * (1.0 / 2**23)
+
+
 def check_matches_reference(device: str, rows: int, vocab: int) -> None:
     """The kernel's draws are those of the documented recipe, recomputed here in float32
-    torch: u = lowbias32(row * vocab + v + lowbias32(seed)), 24 bits; the argmax over v of
+    torch: u from the keyed hash of row * vocab + v, 23 bits; the argmax over v of
     x log2(e) / T - log2(-log2 u). A different log implementation may flip a near tie, so a
     row may differ only where its two scores are within float rounding of each other."""
     from model.kernels.sample import gumbel_sample
@@ -85,11 +93,8 @@ def check_matches_reference(device: str, rows: int, vocab: int) -> None:
     logits = torch.randn(rows, vocab, generator=gen)
     temps = torch.rand(rows, generator=gen) + 0.5
     seed = 123457
-    counters = torch.arange(rows * vocab, dtype=torch.int64).view(rows, vocab)
-    bits = _lowbias32(counters + _lowbias32(torch.tensor(seed)))
-    u = ((bits >> 8).float() + 0.5) * (1.0 / 2**24)
     inv_temp = (1.4426950408889634 / temps)[:, None]
-    score = logits * inv_temp - torch.log2(-torch.log2(u))
+    score = logits * inv_temp - torch.log2(-torch.log2(_uniforms(seed, rows, vocab)))
     want = score.argmax(dim=1)
     got = gumbel_sample(logits.to(device), temps, seed).cpu()
     assert (got == want).float().mean() >= 0.9, (got != want).nonzero()
@@ -98,8 +103,23 @@ def check_matches_reference(device: str, rows: int, vocab: int) -> None:
     assert ((best - picked) <= 1e-4 * best.abs().clamp(min=1)).all(), (best - picked).max()
 
 
+def check_largest_uniform_cannot_win(device: str) -> None:
+    """Seed 19481 gives column 1 of row 0 a hash whose top 24 bits are all ones, so u is the
+    top of its range (1 - 2**-24, checked here): its noise is the largest a draw can have,
+    and still a logit 1000 below the rest never wins. (24 bits with the same half-step
+    rounded u up to 1.0 there: log2(-log2 1) = -inf, a win whatever the logit, which hit
+    ~0.9 % of 151,936-wide rows.)"""
+    from model.kernels.sample import gumbel_sample
+    seed, col, vocab = 19481, 1, 700
+    assert _uniforms(seed, 1, vocab)[0, col] == 1 - 2**-24
+    logits = torch.zeros(1, vocab)
+    logits[0, col] = -1000.0
+    assert gumbel_sample(logits.to(device), [1.0], seed).item() != col
+
+
 def _cpu_reference() -> None:
     check_matches_reference("cpu", rows=8, vocab=700)
+    check_largest_uniform_cannot_win("cpu")
 
 
 def _cpu_distribution() -> None:  # the interpreter runs ~20 ms a row: few rows, far-apart p
@@ -140,7 +160,20 @@ def test_sample_distribution_gpu(dtype: torch.dtype) -> None:
 @needs_triton
 def test_sample_matches_reference_gpu() -> None:
     check_matches_reference("cuda", rows=64, vocab=151_936)
+    check_largest_uniform_cannot_win("cuda")
 
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_sample_a_far_lower_logit_never_wins_gpu() -> None:
+    """14,000 rows of 151,936 columns (8.5 GB), one at logit 0 and the rest at -1e4: every
+    draw is the 0. 2.1e9 noise values, so u's top value occurs ~250 times."""
+    from model.kernels.sample import gumbel_sample
+    logits = torch.full((14_000, 151_936), -1e4, device="cuda")
+    logits[:, 0] = 0.0
+    got = gumbel_sample(logits, [1.0] * 14_000, seed=5)
+    assert int((got != 0).sum()) == 0
 
 @pytest.mark.gpu
 @needs_cuda

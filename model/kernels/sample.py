@@ -5,12 +5,13 @@ softmax(x / T): no softmax, no normalisation, no noise tensor in memory. One pro
 streams the row once (a running best per lane, one reduction at the end); the grid depends
 only on the row count.
 
-The uniform numbers come from a counter-based hash: u_v = lowbias32(counter + key), the
-counter being row * vocab + v and the key lowbias32(seed), so a seed fixes the draw.
-lowbias32 (C. Wellons' integer hash: two multiplies, three xor-shifts, a bijection with
-full avalanche) is about a third of Philox's arithmetic per number, and the random numbers
-were most of this kernel's cost: at 256 x 151,936 it runs ALU-bound, not memory-bound
-(measured on the H200: see docs/benchmarks.md). 24 bits of each hash make u, in (0, 1).
+The uniform numbers come from a counter-based hash, C. Wellons' lowbias32 (two multiplies,
+three xor-shifts; a bijection of 32-bit words) of the counter row * vocab + v, with the key
+lowbias32(seed) xor-ed in after its first multiply: each seed permutes the counters its own
+way (an added key would only shift one fixed stream), and a seed fixes the draw. It is about
+a third of Philox's arithmetic per number. 23 bits of each hash make u = (k + 1/2) / 2**23,
+in [2**-24, 1 - 2**-24]: exact in float32, never 0 or 1 (u = 1 would give a score of +inf,
+a win whatever the logit).
 
 For rows that sample with a temperature alone (no top-k, top-p or min-p); torch does the rest
 (coordinator/sampler.py).
@@ -26,10 +27,12 @@ _LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _lowbias32(x):
-    """x: uint32. A bijection whose every output bit depends on every input bit."""
+def _keyed_hash(x, key):
+    """x, key: uint32. lowbias32 with the key xor-ed in mid-way: for each key a bijection of
+    x, and different keys give unrelated permutations."""
     x ^= x >> 16
     x *= 0x7FEB352D
+    x ^= key
     x ^= x >> 15
     x *= 0x846CA68B
     x ^= x >> 16
@@ -46,8 +49,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp, out_ptr, vocab, seed,
     base = logits_ptr + row.to(tl.int64) * stride
     if PER_ROW:
         inv_temp = tl.load(inv_temp + row)
-    key = _lowbias32(seed.to(tl.uint32))
-    first = (row * vocab).to(tl.uint32) + key  # wraps: counters are taken mod 2**32
+    key = _keyed_hash(seed.to(tl.uint32), 0)  # lowbias32(seed)
+    first = (row * vocab).to(tl.uint32)
     k = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
@@ -55,8 +58,8 @@ def _gumbel_argmax_kernel(logits_ptr, stride, inv_temp, out_ptr, vocab, seed,
         cols = start + k
         mask = cols < vocab
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        bits = _lowbias32(first + cols.to(tl.uint32))
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # 24 bits, in (0, 1)
+        bits = _keyed_hash(first + cols.to(tl.uint32), key)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: exact, in (0, 1)
         # the Gumbel score over ln 2: x / (T ln 2) - log2(-log2(u)) + a constant
         score = tl.where(mask, x * inv_temp - tl.log2(-tl.log2(u)), float("-inf"))
         better = score > best  # strict: per lane, the first column wins a tie
