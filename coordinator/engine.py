@@ -30,7 +30,7 @@ from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
 from coordinator.validation import validate_prompt
 from coordinator.stop_strings import kept_output_tokens, truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
-from ranks.plan import StepPlan
+from ranks.plan import StepKind, StepPlan
 from ranks.runner import ModelRunner, StepOutput
 
 log = logging.getLogger("tapserve.coordinator")
@@ -159,9 +159,11 @@ class Engine:
             self._run_custom(result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
                              rows.custom_seqs)
             live = [(i, s) for i, s in live if s.request.error_code is None]  # the handler failed
-        if live:
-            self._sample(result.logits, live)
+        advanced = self._sample(result.logits, live) if live else None
         self._collect_custom()
+        if advanced is not None and not rows.custom_seqs and len(live) == len(seqs) \
+                and plan.kind is StepKind.DECODE:
+            self.scheduler.note_advanced(batch, advanced)  # every row gained its token alone
 
     def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs) -> None:
         """One output per request the step touched: the usual decode news in the columns
@@ -214,14 +216,15 @@ class Engine:
             self._finish_seq(seq, "length")
 
     # ---- sampling, forks, beams ---------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> None:
+    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> list[int] | None:
+        """Sample every live row; returns the tokens when one draw served the whole batch
+        and no row needed a stop check (each sequence just gained its token)."""
         draws = {s.request.batch_draw for _, s in live}
         if "" not in draws:  # the usual decode step: one draw for the whole batch
-            self._draw_batch(logits, live, draws)
-            return
+            return self._draw_batch(logits, live, draws)
         if all([s.request.params.num_beams == 1 for _, s in live]):
             self._sample_rows(logits, live)  # no beams
-            return
+            return None
         beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
         plain = []
         for i, seq in live:
@@ -232,11 +235,12 @@ class Engine:
         for request, group in beam_groups.items():
             idx = torch.tensor([i for i, _ in group], device=logits.device)
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
+        return None
 
     def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
-                    draws: set[str]) -> None:
+                    draws: set[str]) -> list[int] | None:
         """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
-        or one draw for the whole batch."""
+        or one draw for the whole batch. Returns the tokens if no row needed a stop check."""
         if len(items) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
         if draws == {"greedy"}:
@@ -246,7 +250,7 @@ class Engine:
                 logits, [s.request.params.temperature for _, s in items])
         else:
             tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
-        self._append_plain(items, tokens)
+        return tokens if self._append_plain(items, tokens) else None
 
     def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         """A SampleRow per row; forks an unforked request into its n samples."""
@@ -266,14 +270,18 @@ class Engine:
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
 
-    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> None:
-        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined."""
+    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> bool:
+        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined.
+        True when no row needed the stop check."""
+        plain = True
         for (_, seq), token in zip(items, tokens):
             token_ids = seq.token_ids
             token_ids.append(token)
             request = seq.request
             if token in request.stop_token_set or len(token_ids) >= request.max_total_tokens:
                 self._check_stop(seq, token)
+                plain = False
+        return plain
 
     def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
         children = []

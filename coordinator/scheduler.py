@@ -7,11 +7,18 @@ free, the most recently arrived running sequence is preempted (a beam-search req
 all together): its blocks are freed and it is recomputed later (its prefix may come back
 from the prefix cache). The samples of an n > 1 request are independent sequences; the beams
 of a request are scheduled together, so they always sample in the same step.
+
+A steady decode step (the same running sequences as the last step, each of which has since
+gained exactly its sampled token, as the engine reports with `note_advanced`) is scheduled
+from arrays kept across steps, without reading each sequence again; anything else takes the
+general pass.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from coordinator.blocks import BlockManager
 from coordinator.sequence import Request, Sequence, SeqStatus
@@ -42,6 +49,8 @@ class ScheduledBatch:
     table_stamps: list[int] = field(default_factory=list)  # block_table_version after appends
     # some row computes a prompt token or scores its last token (LAST_GENERATED)
     has_special_rows: bool = False
+    all_single: bool = True  # every row's request is Request.single (never forks)
+    block_capacities: np.ndarray | None = None  # per row, tokens its blocks hold (steady steps)
     # some row computes fewer tokens than it has uncomputed (the token budget ran out, or
     # beams hold back their last token): the step is not decode-shaped even if each computes 1
     partial: bool = False
@@ -61,6 +70,7 @@ class ScheduledBatch:
         self.table_stamps.append(seq.block_table_version)
         self.partial |= computed + n < seq.num_tokens
         self.has_special_rows |= computed < seq.num_prompt_tokens or seq.scoring_reason is not None
+        self.all_single &= seq.request.single
 
     def drop(self, seq: Sequence) -> None:
         """Unschedule seq (preempted after it was scheduled); the flags are recomputed from
@@ -80,6 +90,8 @@ class Scheduler:
         self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
+        self._steady: _SteadyRows | None = None  # the last batch, if note_advanced saw it
+        self.num_steady_steps = 0  # steps scheduled from _SteadyRows (a statistic)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -88,10 +100,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        steady, self._steady = self._steady, None
+        if steady is not None and not self.waiting and self.running == steady.seqs:
+            batch = self._schedule_steady(steady)
+            if batch is not None:
+                return batch
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
         return batch
+
+    def note_advanced(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+        """The engine's word, after the step of batch, that it was a decode step of every
+        running sequence, none special, all Request.single, with no copies or preemptions,
+        and that each sequence has since gained exactly its sampled token (tokens, in row
+        order) and nothing else changed: the next step may be scheduled from arrays."""
+        if batch.all_single and not batch.has_special_rows and not batch.partial \
+                and not batch.block_copies and not batch.preempted:
+            self._steady = _SteadyRows(batch.seqs, np.array(batch.context_lens, np.int64),
+                                       batch.block_capacities, batch.table_stamps, tokens)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
@@ -113,7 +140,7 @@ class Scheduler:
         add_seq, add_count, add_len, add_last, add_stamp = (
             batch.seqs.append, batch.num_new_tokens.append, batch.context_lens.append,
             batch.last_token_ids.append, batch.table_stamps.append)
-        special = False
+        special, all_single = False, True
         for seq in list(self.running):  # a copy: preemption removes sequences from running
             if budget == 0:
                 break
@@ -128,6 +155,7 @@ class Scheduler:
                         and not self._reserve_block(seq, batch):
                     continue
             elif seq.request.params.num_beams > 1 and seq.scoring_reason is None:
+                all_single = False
                 if seq not in handled:
                     group = self._group(seq)
                     handled.update(group)
@@ -136,6 +164,8 @@ class Scheduler:
                 continue
             elif blocks.blocks_to_append(seq) and not self._reserve_block(seq, batch):
                 continue
+            else:
+                all_single = False
             computed = seq.num_computed_tokens
             n = num_tokens - computed
             if n > budget:
@@ -149,7 +179,33 @@ class Scheduler:
                 special = True
             budget -= n
         batch.has_special_rows |= special
+        batch.all_single &= all_single
         return budget
+
+    def _schedule_steady(self, steady: "_SteadyRows") -> ScheduledBatch | None:
+        """The next decode step of steady.seqs (each one token further), or None when it
+        would need the general pass (the token budget, or blocks running short, which may
+        preempt)."""
+        seqs, n, size = steady.seqs, len(steady.seqs), self.blocks.block_size
+        if n > self.config.max_num_batched_tokens:
+            return None
+        context_lens = steady.context_lens + 1  # each row's tokens now, all in the KV after
+        capacities = steady.capacities
+        if capacities is None:  # the first steady step after the general pass
+            capacities = np.array([len(s.block_table) for s in seqs], np.int64) * size
+        grow = np.flatnonzero(context_lens > capacities).tolist()
+        if len(grow) > self.blocks.num_free_blocks:
+            return None
+        stamps = list(steady.stamps)
+        if grow:
+            capacities = capacities.copy()
+        for i in grow:  # a single request's sequence never shares its last block: no copy
+            self.blocks.append_slot(seqs[i])
+            stamps[i] = seqs[i].block_table_version
+            capacities[i] += size
+        self.num_steady_steps += 1
+        return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
+                              block_capacities=capacities)
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all
@@ -236,3 +292,15 @@ class Scheduler:
                 request.custom_output_skipped = True
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+
+@dataclass
+class _SteadyRows:
+    """A decode batch carried to the next step (Scheduler.note_advanced): its rows'
+    sequences, context lengths and table stamps as scheduled, the tokens sampled since,
+    and the rows' block capacities in tokens (filled on first use)."""
+    seqs: list[Sequence]
+    context_lens: np.ndarray  # int64
+    capacities: np.ndarray | None
+    stamps: list[int]
+    tokens: list[int]

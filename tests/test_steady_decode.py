@@ -1,0 +1,81 @@
+"""Steady decode steps: the scheduler plans a step of the same running sequences from arrays
+carried over from the last step (Scheduler.note_advanced) instead of reading each sequence.
+
+Every plan these engines build is also checked row by row against the sequences and the
+general builder (tests/invariants.py, check_plan), so a wrong token, stamp or length from the
+steady path fails there; the tests below make sure the steady path really runs, and that the
+tokens are those of the general path through finishes, preemption and aborts.
+"""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.sampling_params import SamplingParams
+from tests.engine_helpers import count_preemptions, make_llm, random_prompts, run
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from model.demo import ensure_demo_checkpoint
+    return ensure_demo_checkpoint()
+
+
+def greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_steady_steps_give_the_tokens_of_each_request_alone(demo_dir):
+    """A batch whose sequences finish one by one (different lengths), each step between
+    finishes a steady one, against each request run alone (max_num_seqs 1)."""
+    prompts = random_prompts([20, 35, 17, 48], 1000, seed=3)
+    params = [greedy(24 + 9 * i) for i in range(len(prompts))]
+    llm = make_llm(demo_dir, num_kv_blocks=64, max_model_len=256)
+    batched = run(llm, prompts, params)
+    steady = llm.engine.scheduler.num_steady_steps
+    assert steady > 0.7 * llm.engine.steps_checked, (steady, llm.engine.steps_checked)
+    alone = make_llm(demo_dir, num_kv_blocks=64, max_model_len=256, max_num_seqs=1)
+    for prompt, p, got in zip(prompts, params, batched):
+        assert got.outputs[0].token_ids == run(alone, [prompt], p)[0].outputs[0].token_ids
+
+
+def test_blocks_running_short_take_the_general_pass(demo_dir):
+    """Under a KV cache too small for the batch, the steady path hands a step that would need
+    to preempt to the general pass; the tokens are those of a roomy cache."""
+    prompts = random_prompts([30, 26, 33, 21, 40], 1000, seed=4)
+    tiny = make_llm(demo_dir, num_kv_blocks=12, block_size=16, max_model_len=160)
+    with count_preemptions(tiny) as preempted:
+        got = run(tiny, prompts, greedy(60))
+    assert preempted, "the tiny cache was meant to force preemption"
+    assert tiny.engine.scheduler.num_steady_steps > 0
+    roomy = make_llm(demo_dir, num_kv_blocks=128, block_size=16, max_model_len=160)
+    want = run(roomy, prompts, greedy(60))
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
+
+
+def test_an_abort_between_steady_steps_leaves_the_next_step(demo_dir):
+    llm = make_llm(demo_dir, num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts([18, 22, 27], 1000, seed=5)):
+        engine.add_request(f"r{i}", prompt, greedy(30))
+    for _ in range(4):
+        engine.step()
+    before = engine.scheduler.num_steady_steps
+    engine.step()
+    assert engine.scheduler.num_steady_steps == before + 1, "a steady step was expected"
+    scheduled: list[list[str]] = []
+    build = engine.planner.build
+
+    def recording_build(batch):
+        scheduled.append([s.request.request_id for s in batch.seqs])
+        return build(batch)
+
+    engine.planner.build = recording_build
+    engine.abort_request("r1")
+    engine.step()  # the running set changed: the general pass
+    engine.step()  # steady again, without r1
+    assert scheduled == [["r0", "r2"], ["r0", "r2"]]
+    assert engine.scheduler.num_steady_steps == before + 2
+    for rid in ("r0", "r2"):
+        engine.abort_request(rid)
+    while engine.has_work():
+        engine.step()
