@@ -9,9 +9,9 @@ from the prefix cache). The samples of an n > 1 request are independent sequence
 of a request are scheduled together, so they always sample in the same step.
 
 A steady decode step (the same running sequences as the last step, each of which has since
-gained exactly its sampled token, as the engine reports with `note_advanced`) is scheduled
-from arrays kept across steps, without reading each sequence again; anything else takes the
-general pass.
+gained exactly its sampled token, as the engine reports with `note_advanced`, and no waiting
+request that could be admitted) is scheduled from arrays kept across steps, without reading
+each sequence again; anything else takes the general pass.
 """
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         steady, self._steady = self._steady, None
-        if steady is not None and not self.waiting and self.running == steady.seqs:
+        admits = self.waiting and len(self.running) < self.config.max_num_seqs
+        if steady is not None and not admits and self.running == steady.seqs:
             batch = self._schedule_steady(steady)
             if batch is not None:
                 return batch
@@ -196,16 +197,18 @@ class Scheduler:
         grow = np.flatnonzero(context_lens > capacities).tolist()
         if len(grow) > self.blocks.num_free_blocks:
             return None
-        stamps = list(steady.stamps)
+        stamps, copies = list(steady.stamps), []
         if grow:
             capacities = capacities.copy()
-        for i in grow:  # a single request's sequence never shares its last block: no copy
-            self.blocks.append_slot(seqs[i])
+        for i in grow:  # a growing row writes a new block: never a copy for a single request
+            copy = self.blocks.append_slot(seqs[i])
+            if copy is not None:
+                copies.append(copy)
             stamps[i] = seqs[i].block_table_version
             capacities[i] += size
         self.num_steady_steps += 1
         return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
-                              block_capacities=capacities)
+                              block_copies=copies, block_capacities=capacities)
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all

@@ -28,6 +28,7 @@ from collections import Counter
 
 import numpy as np
 
+from coordinator.blocks import BlockManager
 from coordinator.engine import Engine
 from coordinator.planner import PlanRows, _mixed_plan
 from coordinator.scheduler import ScheduledBatch
@@ -99,13 +100,26 @@ def check_engine(engine: Engine) -> None:
             f"waiting request {request.request_id} unknown to the engine"
 
 
-def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size: int) -> None:
+def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size: int,
+               blocks: BlockManager | None = None) -> None:
     seqs = batch.seqs
     assert batch.last_token_ids == [s.token_ids[-1] for s in seqs], "newest tokens"
     assert batch.table_stamps == [s.block_table_version for s in seqs], "table stamps"
     special = any(s.scoring_reason is not None or s.num_computed_tokens < s.num_prompt_tokens
                   for s in seqs)
     assert batch.has_special_rows == special, f"has_special_rows {batch.has_special_rows}"
+    for s, n, c in zip(seqs, batch.num_new_tokens, batch.context_lens):
+        assert c == s.num_computed_tokens + n, "context length != computed + new tokens"
+        assert batch.partial or c == s.num_tokens, "a row leaves tokens uncomputed, partial unset"
+    # one way: the beam branch may clear it with no beam row scheduled
+    assert not batch.all_single or all(s.request.single for s in seqs), "all_single"
+    if batch.block_capacities is not None:
+        assert batch.block_capacities.tolist() == [len(s.block_table) * block_size for s in seqs], \
+            "block capacities"
+    if blocks is not None:  # every block a row writes is its own (copies on write are done)
+        for s, n, c in zip(seqs, batch.num_new_tokens, batch.context_lens):
+            for b in {s.block_table[p // block_size] for p in range(c - n, c)}:
+                assert blocks.blocks[b].ref_count == 1, f"a row writes into shared block {b}"
     width = max((len(s.block_table) for s in seqs), default=0)
     tables = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
@@ -128,7 +142,7 @@ def _checked_planner_class(cls: type) -> type:
     if cls not in _CHECKED_PLANNERS:
         def build(self, batch):
             plan, rows = cls.build(self, batch)
-            check_plan(batch, plan, rows, self.block_size)
+            check_plan(batch, plan, rows, self.block_size, getattr(self, "checked_blocks", None))
             return plan, rows
         _CHECKED_PLANNERS[cls] = type(f"Checked{cls.__name__}", (cls,),
                                       {"build": build, "__module__": __name__})
@@ -156,4 +170,5 @@ def watch_steps(target):
     engine.__class__ = _checked_class(type(engine))
     if not isinstance(engine.planner, tuple(_CHECKED_PLANNERS.values())):
         engine.planner.__class__ = _checked_planner_class(type(engine.planner))
+        engine.planner.checked_blocks = engine.blocks
     return target

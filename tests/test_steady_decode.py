@@ -79,3 +79,53 @@ def test_an_abort_between_steady_steps_leaves_the_next_step(demo_dir):
         engine.abort_request(rid)
     while engine.has_work():
         engine.step()
+
+
+def _record_batches(engine) -> list[list[str]]:
+    """The request ids of every batch the engine plans from now on."""
+    scheduled: list[list[str]] = []
+    build = engine.planner.build
+
+    def recording_build(batch):
+        scheduled.append([s.request.request_id for s in batch.seqs])
+        return build(batch)
+
+    engine.planner.build = recording_build
+    return scheduled
+
+
+def test_a_request_arriving_during_steady_steps_is_admitted_next_step(demo_dir):
+    llm = make_llm(demo_dir, num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+    prompts = random_prompts([18, 22, 9], 1000, seed=7)
+    for i in range(2):
+        engine.add_request(f"r{i}", prompts[i], greedy(30))
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.num_steady_steps > 0
+    scheduled = _record_batches(engine)
+    engine.add_request("late", prompts[2], greedy(5))
+    engine.step()
+    assert scheduled == [["r0", "r1", "late"]]
+    while engine.has_work():
+        engine.step()
+
+
+def test_steady_steps_run_while_the_queue_waits_for_a_free_seat(demo_dir):
+    """max_num_seqs 2, four requests: the two waiting cannot be admitted while two run, so
+    those steps may be steady; the waiting ones start as seats free up."""
+    llm = make_llm(demo_dir, num_kv_blocks=64, max_model_len=256, max_num_seqs=2)
+    scheduler = llm.engine.scheduler
+    steady_while_waiting = []
+    schedule_steady = scheduler._schedule_steady
+
+    def recording(steady):
+        batch = schedule_steady(steady)
+        steady_while_waiting.append(batch is not None and bool(scheduler.waiting))
+        return batch
+
+    scheduler._schedule_steady = recording
+    prompts = random_prompts([18, 22, 9, 14], 1000, seed=8)
+    results = run(llm, prompts, [greedy(12 + 6 * i) for i in range(4)])
+    assert [len(r.outputs[0].token_ids) for r in results] == [12, 18, 24, 30]
+    assert sum(steady_while_waiting) >= 10, steady_while_waiting
