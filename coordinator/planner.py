@@ -43,15 +43,13 @@ class Planner:
         context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
+        tables = self.tables.gather(seqs, batch.table_stamps)
         if not batch.partial and counts.count(1) == len(counts):
-            tables = self.tables.gather(seqs, batch.table_stamps)
             return _decode_plan(batch, self.block_size, tables, context_lens, self._range(len(seqs)))
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
-        tables = self.tables.gather(seqs, batch.table_stamps)
         return _mixed_plan(batch, kind, self.block_size, tables, context_lens)
-
 
     def _range(self, n: int) -> np.ndarray:
         """arange(n + 1) as int64, made once per batch size: a decode plan's logit rows are

@@ -34,6 +34,12 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
+def is_special_row(seq: Sequence) -> bool:
+    """seq's row needs the planner's closer look: it computes a prompt token, or scores its
+    last token (LAST_GENERATED). The running loop inlines this test."""
+    return seq.num_computed_tokens < seq.num_prompt_tokens or seq.scoring_reason is not None
+
+
 @dataclass
 class ScheduledBatch:
     """Sequences of one step and how many new tokens each computes, in packed order.
@@ -69,7 +75,7 @@ class ScheduledBatch:
         self.last_token_ids.append(seq.token_ids[-1])
         self.table_stamps.append(seq.block_table_version)
         self.partial |= computed + n < seq.num_tokens
-        self.has_special_rows |= computed < seq.num_prompt_tokens or seq.scoring_reason is not None
+        self.has_special_rows |= is_special_row(seq)
         self.all_single &= seq.request.single
 
     def drop(self, seq: Sequence) -> None:
@@ -80,8 +86,7 @@ class ScheduledBatch:
                      self.table_stamps):
             del rows[i]
         self.partial = any(n < s.num_tokens for s, n in zip(self.seqs, self.context_lens))
-        self.has_special_rows = any(s.num_computed_tokens < s.num_prompt_tokens
-                                    or s.scoring_reason is not None for s in self.seqs)
+        self.has_special_rows = any(map(is_special_row, self.seqs))
 
 
 class Scheduler:
@@ -177,7 +182,7 @@ class Scheduler:
             add_last(token_ids[-1])
             add_stamp(seq.block_table_version)
             if not special and (computed < seq.num_prompt_tokens or seq.scoring_reason is not None):
-                special = True
+                special = True  # is_special_row, inlined
             budget -= n
         batch.has_special_rows |= special
         batch.all_single &= all_single

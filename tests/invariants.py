@@ -12,10 +12,12 @@
 - scheduler: every running sequence is live, RUNNING, of a request the engine holds, and
   listed once; its computed tokens fit its blocks.
 
-`check_plan(batch, plan, rows, block_size)` checks a freshly built step plan against the
-sequences themselves: the scheduler's per-row records (newest token, table stamp, special
-rows) and every array of the plan equal what the general token-by-token builder makes from
-the sequences, with block tables rebuilt from each sequence's own table.
+`check_plan(batch, plan, rows, block_size, blocks)` checks a freshly built step plan against
+the sequences themselves: the scheduler's per-row records (newest token, table stamp, context
+length, block capacity) and flags (special rows, partial, all single) agree with the
+sequences, no row writes a shared block, and every array of the plan equals what the general
+token-by-token builder makes from the sequences, with block tables rebuilt from each
+sequence's own table.
 
 `watch_steps(llm_or_engine)` makes the engine run `check_engine` after every `step()`, and
 `check_plan` on every plan it builds. It swaps the instances' classes for subclasses (no cost

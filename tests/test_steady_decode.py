@@ -24,6 +24,19 @@ def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
 
 
+def _record_batches(engine) -> list[list[str]]:
+    """The request ids of every batch the engine plans from now on."""
+    scheduled: list[list[str]] = []
+    build = engine.planner.build
+
+    def recording_build(batch):
+        scheduled.append([s.request.request_id for s in batch.seqs])
+        return build(batch)
+
+    engine.planner.build = recording_build
+    return scheduled
+
+
 def test_steady_steps_give_the_tokens_of_each_request_alone(demo_dir):
     """A batch whose sequences finish one by one (different lengths), each step between
     finishes a steady one, against each request run alone (max_num_seqs 1)."""
@@ -62,14 +75,7 @@ def test_an_abort_between_steady_steps_leaves_the_next_step(demo_dir):
     before = engine.scheduler.num_steady_steps
     engine.step()
     assert engine.scheduler.num_steady_steps == before + 1, "a steady step was expected"
-    scheduled: list[list[str]] = []
-    build = engine.planner.build
-
-    def recording_build(batch):
-        scheduled.append([s.request.request_id for s in batch.seqs])
-        return build(batch)
-
-    engine.planner.build = recording_build
+    scheduled = _record_batches(engine)
     engine.abort_request("r1")
     engine.step()  # the running set changed: the general pass
     engine.step()  # steady again, without r1
@@ -79,19 +85,6 @@ def test_an_abort_between_steady_steps_leaves_the_next_step(demo_dir):
         engine.abort_request(rid)
     while engine.has_work():
         engine.step()
-
-
-def _record_batches(engine) -> list[list[str]]:
-    """The request ids of every batch the engine plans from now on."""
-    scheduled: list[list[str]] = []
-    build = engine.planner.build
-
-    def recording_build(batch):
-        scheduled.append([s.request.request_id for s in batch.seqs])
-        return build(batch)
-
-    engine.planner.build = recording_build
-    return scheduled
 
 
 def test_a_request_arriving_during_steady_steps_is_admitted_next_step(demo_dir):
