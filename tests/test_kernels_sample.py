@@ -3,7 +3,8 @@
 The kernel's draws must follow softmax(logits / temperature): the empirical frequencies of
 many rows with the same logits are compared with those probabilities (a bound several
 standard errors wide). Also: a seed fixes the draw, a large margin always wins, columns past
-the first loop block are reachable, and each row keeps its own temperature.
+the first loop block are reachable, each row keeps its own temperature, and the token does
+not depend on how many chunks a row is split into (ties, NaN and -inf included).
 CPU: under the Triton interpreter (tests/interpreter.py); CUDA: `@pytest.mark.gpu`, with the
 engine's batch draw taking the kernel.
 """
@@ -83,11 +84,13 @@ def _uniforms(seed: int, rows: int, vocab: int) -> torch.Tensor:
     return ((bits >> 9).float() + 0.5) * (1.0 / 2**23)
 
 
-def check_matches_reference(device: str, rows: int, vocab: int) -> None:
+def check_matches_reference(device: str, rows: int, vocab: int,
+                            splits_blocks: list[tuple[int | None, int]]) -> None:
     """The kernel's draws are those of the documented recipe, recomputed here in float32
     torch: u from the keyed hash of row * vocab + v, 23 bits; the argmax over v of
     x log2(e) / T - log2(-log2 u). A different log implementation may flip a near tie, so a
-    row may differ only where its two scores are within float rounding of each other."""
+    row may differ only where its two scores are within float rounding of each other. Every
+    (chunks a row, loop block) in splits_blocks draws the very same tokens."""
     from model.kernels.sample import gumbel_sample
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(rows, vocab, generator=gen)
@@ -101,6 +104,45 @@ def check_matches_reference(device: str, rows: int, vocab: int) -> None:
     picked = score.gather(1, got[:, None])[:, 0]
     best = score.max(dim=1).values
     assert ((best - picked) <= 1e-4 * best.abs().clamp(min=1)).all(), (best - picked).max()
+    for splits, block in splits_blocks:
+        again = gumbel_sample(logits.to(device), temps, seed, _splits=splits, _block=block).cpu()
+        assert torch.equal(again, got), (splits, block, (again != got).nonzero())
+
+
+def check_splits_agree(device: str, vocab: int, block: int, splits: list[int | None]) -> None:
+    """Splitting a row into chunks changes no token: each split count draws what one chunk a
+    row draws, on random rows and on ties across chunks (the first column wins), a winner in
+    the last chunk, NaN (never drawn) and rows with no score above -inf (column 0)."""
+    from model.kernels.sample import gumbel_sample
+    gen = torch.Generator().manual_seed(2)
+    inf, nan, early, last = float("inf"), float("nan"), block + 1, vocab - 3
+    late = early + (last - early) // block * block  # early's lane, in the last block
+    logits = torch.randn(10, vocab, generator=gen) * 3
+    logits[0] = -inf
+    logits[1] = nan
+    logits[2, ::2] = nan
+    logits[3, [early, late]] = inf  # ties: +inf scores whatever the noise
+    logits[4, [early, last]] = 1e30  # ties: the noise is far below 1e30's rounding step
+    logits[5, [early, late]] = torch.tensor([1e29, 1e30])  # the best in the last chunk
+    logits[6] = -inf
+    logits[6, late] = 0.0
+    temps = torch.rand(10, generator=gen) + 0.5
+    draws = [gumbel_sample(logits.to(device), temps, 7, _splits=n, _block=block).cpu()
+             for n in [1, *splits]]
+    for n, got in zip(splits, draws[1:]):
+        assert torch.equal(got, draws[0]), (n, (got != draws[0]).nonzero())
+    assert draws[0][:2].tolist() == [0, 0] and draws[0][2] % 2 == 1
+    assert draws[0][3:7].tolist() == [early, early, late, late]
+    # equal logits: seed 90717 gives row 0's columns 65 and 590 the same top u of its first
+    # 1000 columns, so the same score: an exact tie from the hash, the first column wins
+    seed, tie = 90717, [65, 590]
+    u = _uniforms(seed, 1, 1000)[0]
+    assert (u == u.max()).nonzero()[:, 0].tolist() == tie
+    equal = torch.full((1, vocab), -inf)
+    equal[0, :1000] = 0.0
+    for n in [1, *splits]:
+        got = gumbel_sample(equal.to(device), [0.9], seed, _splits=n, _block=block).item()
+        assert got == tie[0], (n, got)
 
 
 def check_largest_uniform_cannot_win(device: str) -> None:
@@ -118,7 +160,7 @@ def check_largest_uniform_cannot_win(device: str) -> None:
 
 
 def _cpu_reference() -> None:
-    check_matches_reference("cpu", rows=8, vocab=700)
+    check_matches_reference("cpu", rows=8, vocab=700, splits_blocks=[(1, 64), (3, 64), (None, 64)])
     check_largest_uniform_cannot_win("cpu")
 
 
@@ -130,7 +172,12 @@ def _cpu_wide() -> None:
     check_wide_rows("cpu", vocab=5000)
 
 
-CPU_CHECKS = {"distribution": _cpu_distribution, "wide": _cpu_wide, "reference": _cpu_reference}
+def _cpu_splits() -> None:  # 1,000 columns in 8 blocks of 128
+    check_splits_agree("cpu", vocab=1000, block=128, splits=[2, 3, 8])
+
+
+CPU_CHECKS = {"distribution": _cpu_distribution, "wide": _cpu_wide, "reference": _cpu_reference,
+              "splits": _cpu_splits}
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +206,42 @@ def test_sample_distribution_gpu(dtype: torch.dtype) -> None:
 @needs_cuda
 @needs_triton
 def test_sample_matches_reference_gpu() -> None:
-    check_matches_reference("cuda", rows=64, vocab=151_936)
+    check_matches_reference("cuda", rows=64, vocab=151_936,
+                            splits_blocks=[(1, 4096), (1, 2048), (5, 2048), (128, 1024)])
     check_largest_uniform_cannot_win("cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("block", [64, 2048])
+def test_sample_splits_agree_gpu(block: int) -> None:
+    check_splits_agree("cuda", vocab=151_936, block=block, splits=[2, 7, 64, 128, None])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_sample_batch_sizes_compile_once() -> None:
+    """The split count and chunk width follow the row count, but reach the kernels as
+    runtime ints: once 300 rows have run (one temperature for all, then one per row), 1 to
+    256 rows compile no new variant of either pass."""
+    from model.kernels.sample import _chunk_best_kernel, _pick_kernel, gumbel_sample
+    logits = torch.randn(300, 151_936, device="cuda")
+
+    def draw(rows: int) -> None:
+        gumbel_sample(logits[:rows], [0.8] * rows, seed=rows)
+        gumbel_sample(logits[:rows], [0.8, 0.9] * (rows // 2) + [0.7] * (rows % 2), seed=16 * rows)
+
+    def variants() -> list[int]:
+        device = torch.cuda.current_device()
+        return [len(k.device_caches[device][0]) for k in (_chunk_best_kernel, _pick_kernel)]
+
+    draw(300)
+    before = variants()
+    for rows in [1, 2, 3, 16, 17, 32, 64, 100, 256]:
+        draw(rows)
+    assert variants() == before
 
 
 @pytest.mark.gpu
