@@ -18,13 +18,21 @@ build and send (encode and broadcast); rank 1's recv (waiting for rank 0, the br
 the decode) and, of it, the decode. Rank 1 decodes while rank 0 schedules the next step (as
 in the engine, where it decodes while rank 0 prepares its forward), so its decode only counts
 when it is the slower side.
+
+A third kind of round, "paced", sends the bare bytes with the engine's work between
+broadcasts (scheduling and the advance, untimed, as in the plan rounds), so that both sides
+idle as long between broadcasts as in a plan round: `ratio_to_paced` compares with it. The
+median per-step build and send of the best plan round are printed too (a plan whose longest
+table outgrows its padding is widened in place, once in a while).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,59 +65,82 @@ class DecodingBatch:
         for i in range(batch):
             prompt = [(7919 * i + j) % 50000 for j in range(context - i % BLOCK_SIZE)]
             request = Request(str(i), prompt, SamplingParams(max_new_tokens=steps + 8), i)
+            request.single = True  # n = 1, no beams, no stop strings (as Engine.add_request sets)
             factory.prompt_sequence(request)
             self.scheduler.add(request)
         self.advance(self.scheduler.schedule())  # the prefill step
 
     def advance(self, batch: ScheduledBatch) -> None:
         """What Engine._postprocess does to a decoding batch: the KV is computed, full blocks
-        go to the prefix cache, a token is appended."""
+        go to the prefix cache, a token is appended, and the scheduler hears that every row
+        gained its token alone (Scheduler.note_advanced: the next step is a steady one)."""
         blocks = self.scheduler.blocks
+        tokens = []
         for seq, context_len in zip(batch.seqs, batch.context_lens):
             filled = context_len // BLOCK_SIZE != seq.num_computed_tokens // BLOCK_SIZE
             seq.num_computed_tokens = context_len
             if filled:
                 blocks.register_computed(seq)
-            seq.token_ids.append(1)
+            tokens.append(context_len % 50000)
+            seq.token_ids.append(tokens[-1])
+        if batch.num_new_tokens.count(1) == len(batch.seqs):
+            self.scheduler.note_advanced(batch, tokens)
 
 
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     channel = PlanChannel(dist.group.WORLD)
+    if args.no_decode and rank == 1:
+        import ranks.group
+        ranks.group.decode_plan = lambda payload: None  # the bytes arrive; nothing is read
     decode_seconds = _time_plan_decoding() if rank == 1 else [0.0]
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         probe = DecodingBatch(args.batch, args.context + args.steps // 2, args.steps)
-        sizes[0] = len(encode_plan(Planner(BLOCK_SIZE).build(probe.scheduler.schedule())[0]))
+        probe_planner = Planner(BLOCK_SIZE, width_step=args.width_step)
+        sizes[0] = len(encode_plan(probe_planner.build(probe.scheduler.schedule())[0]))
     dist.broadcast(sizes, src=0)
     nbytes = int(sizes[0])
     bare = torch.zeros(nbytes, dtype=torch.uint8)
     timings: dict[str, float] = {}
     phases = {"build": [], "send": [], "recv": [], "decode": []}  # per plan round: us per step
-    for name in ("bare", "plan") * (args.rounds + 1):  # the first pair is a warm-up
-        if name == "plan" and rank == 0:  # each round decodes from the same start
+    per_step = {"build": [], "send": []}  # rank 0's best plan round, us per step
+    for name in ("bare", "paced", "plan") * (args.rounds + 1):  # the first three: a warm-up
+        if name != "bare" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
-            planner = Planner(BLOCK_SIZE)  # the round's block manager stamps tables anew
+            # the round's block manager stamps tables anew
+            planner = Planner(BLOCK_SIZE, width_step=args.width_step)
         dist.barrier()
         start = time.perf_counter()
         spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
+        steps: dict[str, list[float]] = {"build": [], "send": []}
         decode_seconds[0] = 0.0
         for _ in range(args.steps):
-            if name == "bare":
+            if name == "bare" or (name == "paced" and rank == 1):
                 dist.broadcast(bare, src=0)
+            elif name == "paced":  # the engine's work between steps, then the bare bytes
+                t0 = time.perf_counter()
+                decoding.advance(decoding.scheduler.schedule())
+                t1 = time.perf_counter()
+                dist.broadcast(bare, src=0)
+                spent["engine"] += t1 - t0
             elif rank == 0:
                 t0 = time.perf_counter()
                 batch = decoding.scheduler.schedule()
                 t1 = time.perf_counter()
                 plan = planner.build(batch)[0]
                 t2 = time.perf_counter()
+                if args.encode:  # sent the general way: encoded into the channel's buffer
+                    plan = dataclasses.replace(plan, wire=None)
                 channel.send(plan)
                 t3 = time.perf_counter()
                 decoding.advance(batch)
                 spent["build"] += t2 - t1
                 spent["send"] += t3 - t2
+                steps["build"].append(t2 - t1)
+                steps["send"].append(t3 - t2)
                 spent["engine"] += time.perf_counter() - t3 + t1 - t0
             else:
                 t0 = time.perf_counter()
@@ -118,6 +149,8 @@ def worker(rank: int, port: int, args, results) -> None:
         dist.barrier()
         # the engine's other work between plans (scheduling, the advance) is not the plan's cost
         elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3
+        if name == "plan" and rank == 0 and elapsed < timings.get("plan", float("inf")):
+            per_step = steps
         timings[name] = elapsed if name not in timings else min(timings[name], elapsed)
         if name == "plan":
             spent["decode"] = decode_seconds[0]
@@ -127,8 +160,12 @@ def worker(rank: int, port: int, args, results) -> None:
     if rank == 0:
         results.update({"batch": args.batch, "context": args.context, "plan_bytes": nbytes,
                         "bare_broadcast_ms": round(timings["bare"], 3),
+                        "paced_bare_broadcast_ms": round(timings["paced"], 3),
                         "plan_build_and_broadcast_ms": round(timings["plan"], 3),
-                        "ratio": round(timings["plan"] / timings["bare"], 2)})
+                        "ratio": round(timings["plan"] / timings["bare"], 2),
+                        "ratio_to_paced": round(timings["plan"] / timings["paced"], 2),
+                        "median_step_us": {k: round(statistics.median(v) * 1e6, 1)
+                                           for k, v in per_step.items()}})
     dist.destroy_process_group()
 
 
@@ -152,6 +189,12 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--width-step", type=int, default=16,
+                   help="the planner's block-table padding (columns; 1 = none)")
+    p.add_argument("--encode", action="store_true",
+                   help="send each plan encoded, not from its laid-out message (for comparison)")
+    p.add_argument("--no-decode", action="store_true",
+                   help="rank 1 receives the bytes but does not decode them (for comparison)")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

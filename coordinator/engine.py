@@ -69,7 +69,8 @@ class Engine:
         self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
                                    options.enable_prefix_caching)
         self.scheduler = Scheduler(options.scheduler, self.blocks)
-        self.planner = Planner(runner.cfg.block_size)
+        self.planner = Planner(runner.cfg.block_size,
+                               -(-options.max_model_len // runner.cfg.block_size))
         self.sampler = Sampler(options.seed, runner.device)
         self.beams = BeamSearch()
         self.seqs = SequenceFactory()

@@ -7,7 +7,7 @@ import numpy as np
 
 from coordinator.scheduler import ScheduledBatch
 from coordinator.sequence import Sequence
-from ranks.plan import StepKind, StepPlan
+from ranks.plan import PlanMessage, StepKind, StepPlan
 
 
 @dataclass
@@ -30,26 +30,90 @@ def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
     return seq.scoring_reason is not None and start + n == seq.num_tokens
 
 
-class Planner:
-    """Builds each step's plan; keeps the block-table buffer between steps."""
+TABLE_WIDTH_STEP = 16  # advanced plans' block tables: a multiple of this many columns
 
-    def __init__(self, block_size: int):
+
+@dataclass
+class _Advanceable:
+    """The last decode plan, laid out in its message, that a steady step may advance."""
+    serial: int  # of the batch it was built for
+    plan: StepPlan
+    stamps: list[int]  # the rows' table stamps, as its block tables hold them
+    advanced: bool  # built by advancing: the block-table buffer has not seen its tables
+
+
+class Planner:
+    """Builds each step's plan; keeps the block-table buffer between steps, and the last
+    decode plan of plain rows in its wire message (PlanMessage), which a steady step (the
+    scheduler's ScheduledBatch.follows) advances in place: no Sequence read but the rows
+    whose tables grew, no array made, nothing to encode."""
+
+    def __init__(self, block_size: int, max_table_width: int | None = None,
+                 width_step: int = TABLE_WIDTH_STEP):
+        """max_table_width: the most blocks a table may hold (max_model_len / block_size);
+        plans that steady steps advance pad their tables to whole multiples of width_step
+        columns, never wider than that (a runner's static block-table buffer)."""
         self.block_size = block_size
+        self.max_table_width, self.width_step = max_table_width, width_step
         self.tables = BlockTableBuffer()
         self._ranges: dict[int, np.ndarray] = {}  # n -> arange(n + 1), shared by decode plans
+        self._advanceable: _Advanceable | None = None
 
     def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
+        last, self._advanceable = self._advanceable, None
+        if last is not None and batch.follows == last.serial and not batch.block_copies \
+                and len(batch.seqs) == last.plan.num_seqs:  # (follows promises the same rows)
+            plan = self._advance(last.plan, batch)
+            self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, True)
+            return plan, PlanRows(list(batch.seqs), [])
+        if last is not None and last.advanced:  # the buffer lags behind the advanced tables
+            plan = last.plan
+            self.tables.adopt(plan.block_tables, last.stamps,
+                              -(-plan.context_lens // self.block_size))
         seqs = batch.seqs
         context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
         tables = self.tables.gather(seqs, batch.table_stamps)
         if not batch.partial and counts.count(1) == len(counts):
-            return _decode_plan(batch, self.block_size, tables, context_lens, self._range(len(seqs)))
+            plan, rows = _decode_plan(batch, self.block_size, tables, context_lens,
+                                      self._range(len(seqs)))
+            if not batch.has_special_rows and not batch.block_copies:  # a steady step may follow
+                spare = last.plan.wire.buffer if last is not None else None  # used up
+                plan = PlanMessage(plan, self._table_width(tables.shape[1]), spare).plan(plan.kind)
+                self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, False)
+            return plan, rows
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
         kind = StepKind.MIXED if decoding.any() else StepKind.PREFILL
         return _mixed_plan(batch, kind, self.block_size, tables, context_lens)
+
+    def _advance(self, plan: StepPlan, batch: ScheduledBatch) -> StepPlan:
+        """plan's rows one token further, written over plan's arrays (batch follows the
+        batch of plan: the same sequences, each with one token more, and only the tables of
+        batch.grown_rows changed, by a block each, where the row's new token goes; the
+        block-table buffer is brought up to date when the advancing stops)."""
+        grown, blocks = batch.grown_rows, batch.grown_blocks
+        plan.input_ids[:] = batch.last_token_ids
+        plan.positions += 1
+        plan.context_lens += 1
+        plan.slot_mapping += 1  # the slot after the last one, but in a new block:
+        if grown:
+            width = max(batch.grown_cols) + 1
+            if width > plan.block_tables.shape[1]:  # the longest table outgrew the padding
+                width = self._table_width(width)
+                wire = plan.wire if plan.wire.widen(width) else PlanMessage(plan, width)
+                plan = wire.plan(StepKind.DECODE)
+            plan.block_tables[grown, batch.grown_cols] = blocks
+            plan.slot_mapping[grown] = [b * self.block_size for b in blocks]  # its first slot
+        return plan
+
+    def _table_width(self, width: int) -> int:
+        """width rounded up to a whole width_step, at most max_table_width: zero columns
+        on the wire (1 KB a column at batch 256) cost less than widening the message every
+        block_size steps as the longest table grows."""
+        padded = -(-width // self.width_step) * self.width_step
+        return max(width, min(padded, self.max_table_width or padded))
 
     def _range(self, n: int) -> np.ndarray:
         """arange(n + 1) as int64, made once per batch size: a decode plan's logit rows are
@@ -133,6 +197,19 @@ class BlockTableBuffer:
             self._set_width(width)
         return self._array[:n]
 
+    def adopt(self, tables: np.ndarray, stamps: list[int], lengths: np.ndarray) -> None:
+        """Take tables [n, >= the longest length] (zero-padded) as the first n rows, holding
+        the tables of the given stamps and lengths, as if gathered (tables kept up to date
+        elsewhere)."""
+        n, width = tables.shape[0], int(lengths.max(initial=0))
+        tables = tables[:, :width]
+        self._reserve_rows(n)
+        if width != self._array.shape[1]:
+            self._set_width(width)
+        self._array[:n] = tables
+        self._version[:n] = stamps
+        self._length[:n] = lengths
+
     def _update(self, seqs: list[Sequence], stale: np.ndarray) -> None:
         """Rewrite the stale rows; a row whose table only grew gets its new entries alone,
         all such rows in one scatter (decoding appends one block per row every so often)."""
@@ -185,10 +262,7 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
     seqs = batch.seqs
     n = len(seqs)
     positions = context_lens - 1  # int32 here; int64 on the wire (the StepPlan dtypes)
-    blocks = tables[arange[:n], positions // block_size]
-    slots = blocks.astype(np.int64)
-    slots *= block_size
-    slots += positions % block_size
+    slots = _slots(tables, positions, block_size, arange[:n])
     rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows, arange[:n])
     plan = StepPlan(
         kind=StepKind.DECODE, input_ids=np.array(batch.last_token_ids, np.int64),
@@ -197,6 +271,15 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
         block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
         block_copies=_copies(batch))
     return plan, rows
+
+
+def _slots(tables: np.ndarray, positions: np.ndarray, block_size: int,
+           rows: np.ndarray) -> np.ndarray:
+    """The KV slot of each row's position (int64); rows: arange(len(positions))."""
+    slots = tables[rows, positions // block_size].astype(np.int64)
+    slots *= block_size
+    slots += positions % block_size
+    return slots
 
 
 def _decode_rows(seqs: list[Sequence], has_special_rows: bool,

@@ -62,6 +62,15 @@ class ScheduledBatch:
     partial: bool = False
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    serial: int = 0  # this batch's number in the scheduler's count
+    # a steady step: the serial of the batch whose rows this one advances by a token each
+    # (the same sequences in the same order, each table exactly the blocks its tokens fill;
+    # else -1); the rows whose tables grew since, by one block each, the blocks' indices in
+    # their tables and the blocks
+    follows: int = -1
+    grown_rows: list[int] = field(default_factory=list)
+    grown_cols: list[int] = field(default_factory=list)
+    grown_blocks: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -96,6 +105,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self._steady: _SteadyRows | None = None  # the last batch, if note_advanced saw it
+        self._serial = 0  # ScheduledBatch.serial of the last batch
         self.num_steady_steps = 0  # steps scheduled from _SteadyRows (a statistic)
 
     def add(self, request: Request) -> None:
@@ -107,11 +117,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         steady, self._steady = self._steady, None
         admits = self.waiting and len(self.running) < self.config.max_num_seqs
+        self._serial += 1
         if steady is not None and not admits and self.running == steady.seqs:
             batch = self._schedule_steady(steady)
             if batch is not None:
                 return batch
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(serial=self._serial)
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
         return batch
@@ -124,7 +135,8 @@ class Scheduler:
         if batch.all_single and not batch.has_special_rows and not batch.partial \
                 and not batch.block_copies and not batch.preempted:
             self._steady = _SteadyRows(batch.seqs, np.array(batch.context_lens, np.int64),
-                                       batch.block_capacities, batch.table_stamps, tokens)
+                                       batch.block_capacities, batch.table_stamps, tokens,
+                                       batch.serial)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
@@ -199,21 +211,31 @@ class Scheduler:
         capacities = steady.capacities
         if capacities is None:  # the first steady step after the general pass
             capacities = np.array([len(s.block_table) for s in seqs], np.int64) * size
+            if not (capacities - context_lens < size - 1).all():
+                return None  # a table holds a block beyond its tokens' (never seen so far)
+        # from here on each table holds exactly the blocks of the tokens in the KV, so a row
+        # writes into a new block exactly when it grows (the planner relies on it)
         grow = np.flatnonzero(context_lens > capacities).tolist()
         if len(grow) > self.blocks.num_free_blocks:
             return None
-        stamps, copies = list(steady.stamps), []
+        stamps, copies, cols, new_blocks = list(steady.stamps), [], [], []
         if grow:
             capacities = capacities.copy()
         for i in grow:  # a growing row writes a new block: never a copy for a single request
-            copy = self.blocks.append_slot(seqs[i])
+            seq = seqs[i]
+            copy = self.blocks.append_slot(seq)
             if copy is not None:
                 copies.append(copy)
-            stamps[i] = seqs[i].block_table_version
+            stamps[i] = seq.block_table_version
+            table = seq.block_table
+            cols.append(len(table) - 1)
+            new_blocks.append(table[-1])
             capacities[i] += size
         self.num_steady_steps += 1
         return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
-                              block_copies=copies, block_capacities=capacities)
+                              block_copies=copies, block_capacities=capacities,
+                              serial=self._serial, follows=steady.serial, grown_rows=grow,
+                              grown_cols=cols, grown_blocks=new_blocks)
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all
@@ -312,3 +334,4 @@ class _SteadyRows:
     capacities: np.ndarray | None
     stamps: list[int]
     tokens: list[int]
+    serial: int  # the batch's ScheduledBatch.serial

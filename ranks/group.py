@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from model.layers import TPGroup
 from ranks.local_group import STORE_ENV
-from ranks.plan import EncodedPlan, StepPlan, decode_plan
+from ranks.plan import TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepPlan, decode_plan
 
-HEADER_BYTES = 16  # the plan's length, the next message's size (little-endian uint64)
+# the plan's length, the next message's size (little-endian uint64)
+HEADER_BYTES = TRANSPORT_HEADER_BYTES
 
 
 @dataclass
@@ -81,8 +82,15 @@ class PlanChannel:
         self.size = min_message_bytes  # of the next message, agreed by both sides
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
         self.rest = torch.zeros(0, dtype=torch.uint8)
+        self._wire: PlanMessage | None = None  # the last laid-out message sent, and
+        self._wire_body = self.rest             # a tensor over its buffer from its start
+        self._wire_header = np.zeros(2, "<u8")  # and a view of its header
 
     def send(self, plan: StepPlan) -> None:
+        wire = plan.wire
+        if wire is not None and wire.holds(plan):
+            self._send_laid_out(plan, wire)
+            return
         encoded = EncodedPlan(plan)
         n = encoded.nbytes
         next_size = self._next_size(n)
@@ -100,6 +108,27 @@ class PlanChannel:
             rest = self._rest(n - k)
             rest.numpy()[:] = payload[k:]
             dist.broadcast(rest, src=0, group=self.group)
+        self.size = next_size
+
+    def _send_laid_out(self, plan: StepPlan, wire: PlanMessage) -> None:
+        """A plan already in its message (PlanMessage): the header goes in front of it and
+        the message's own buffer is broadcast, no copy (a remainder is the same buffer's
+        next bytes). Only when the agreed size outgrows the message's room (a small plan
+        after a large one) are its bytes copied into the channel's buffer."""
+        wire.seal(plan)
+        n, next_size, start = wire.nbytes, self._next_size(wire.nbytes), wire.start
+        if wire is not self._wire:
+            self._wire, self._wire_body = wire, torch.from_numpy(wire.buffer)[start:]
+            self._wire_header = wire.buffer[start:start + HEADER_BYTES].view("<u8")
+        self._wire_header[0], self._wire_header[1] = n, next_size
+        if start + self.size <= wire.buffer.size:
+            body = self._wire_body
+        else:
+            body = self._message(max(self.size, HEADER_BYTES + n))
+            body.numpy()[:HEADER_BYTES + n] = wire.buffer[start:start + HEADER_BYTES + n]
+        dist.broadcast(body[:self.size], src=0, group=self.group)
+        if HEADER_BYTES + n > self.size:
+            dist.broadcast(body[self.size:HEADER_BYTES + n], src=0, group=self.group)
         self.size = next_size
 
     def recv(self) -> StepPlan:

@@ -2,8 +2,9 @@
 
 Arrays travel as raw bytes (one trailing bin, each array 8-aligned), never as Python lists. A
 plan is self-contained: a rank needs nothing from earlier plans but its KV cache. On rank 0 a
-plan is used up within its step: its block_tables is a view of the planner's buffer, which the
-next build rewrites (copy a plan to keep it; received plans own their arrays).
+plan is used up within its step: its arrays may be views of the planner's buffers (the block
+tables, or a PlanMessage that the next decode step advances in place), which the next build
+rewrites (copy a plan to keep it; received plans own their arrays).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class StepPlan:
     custom_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # rows for the handler
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (src, dst)
     graph_bucket: int = -1  # CUDA-graph batch bucket, -1 = eager
+    # rank 0 only: the message whose data the arrays are views of (PlanMessage), if any
+    wire: "PlanMessage | None" = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -56,16 +59,36 @@ class StepPlan:
         return int(np.diff(self.query_start_loc).max()) if self.num_seqs else 0
 
 
-_ARRAY_FIELDS = [f.name for f in fields(StepPlan) if f.name not in ("kind", "graph_bucket")]
+# the wire's order: the block tables last, so that a laid-out message widens them in place
+_ARRAY_FIELDS = [f.name for f in fields(StepPlan)
+                 if f.name not in ("kind", "graph_bucket", "wire", "block_tables")] + ["block_tables"]
 _ALIGN = 8  # each array starts 8-aligned in the data blob, so the receiver's views are aligned
 # The message is one msgpack map: {"kind": int, "graph_bucket": int, "arrays": [[dtype, shape],
 # ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
 # arrays' bytes straight into the broadcast buffer after the packed head.
 _HEAD_KEYS = [msgpack.packb(k) for k in ("kind", "graph_bucket", "arrays", "data")]
+TRANSPORT_HEADER_BYTES = 16  # room a PlanMessage leaves before its head (PlanChannel's header)
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _int32(value: int) -> bytes:
+    """A msgpack int32, whatever the value's size: the head's length depends only on the
+    arrays' dtypes and ranks, so a new bucket or shape is rewritten in place."""
+    return b"\xd2" + int(value).to_bytes(4, "big", signed=True)
+
+
+def _pack_head(kind: int, bucket: int, arrays: list[np.ndarray]) -> bytes:
+    """The message up to (and with the header of) its data bin."""
+    kind_key, bucket_key, arrays_key, data_key = _HEAD_KEYS
+    layout = [b"\x92" + msgpack.packb(a.dtype.str) + bytes([0x90 | a.ndim])
+              + b"".join(map(_int32, a.shape)) for a in arrays]
+    data_bytes = sum(_padded(a.nbytes) for a in arrays)
+    return b"".join((b"\x84", kind_key, _int32(kind), bucket_key, _int32(bucket), arrays_key,
+                     bytes([0x90 | len(arrays)]), *layout,
+                     data_key, b"\xc6", data_bytes.to_bytes(4, "big")))  # bin 32 header
 
 
 class EncodedPlan:
@@ -75,13 +98,8 @@ class EncodedPlan:
 
     def __init__(self, plan: StepPlan):
         self.arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
-        layout = [[a.dtype.str, list(a.shape)] for a in self.arrays]
-        data_bytes = sum(_padded(a.nbytes) for a in self.arrays)
-        kind, bucket, arrays, data = _HEAD_KEYS
-        self.head = b"".join((b"\x84", kind, msgpack.packb(int(plan.kind)), bucket,
-                              msgpack.packb(plan.graph_bucket), arrays, msgpack.packb(layout),
-                              data, b"\xc6", data_bytes.to_bytes(4, "big")))  # bin 32 header
-        self.nbytes = len(self.head) + data_bytes
+        self.head = _pack_head(plan.kind, plan.graph_bucket, self.arrays)
+        self.nbytes = len(self.head) + sum(_padded(a.nbytes) for a in self.arrays)
 
     def write_into(self, out: np.ndarray) -> None:
         """Write the nbytes of the message into out[:nbytes] (a uint8 array)."""
@@ -95,6 +113,78 @@ class EncodedPlan:
         out = np.zeros(self.nbytes, np.uint8)
         self.write_into(out)
         return out.tobytes()
+
+
+class PlanMessage:
+    """A plan laid out in its wire message once, its arrays handed out as writable views of
+    the message's data: a plan built or advanced in those views is sent without encoding
+    (PlanChannel) once `seal` has written its head. The buffer leaves TRANSPORT_HEADER_BYTES
+    before the head and room after the data (a transport may send a fixed size, and the
+    block tables, last, may widen in place). Other shapes need a new message."""
+
+    def __init__(self, plan: StepPlan, table_width: int = 0, reuse: np.ndarray | None = None):
+        """plan's arrays laid out; its block tables zero-padded to table_width columns if
+        that is wider (room to grow without widening). reuse: the buffer of a message no
+        longer needed (none of plan's arrays in it), taken if large enough."""
+        arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
+        tables = arrays[-1]
+        if table_width > tables.shape[1]:
+            arrays[-1] = np.zeros((tables.shape[0], table_width), tables.dtype)
+            arrays[-1][:, :tables.shape[1]] = tables
+        head = _pack_head(plan.kind, plan.graph_bucket, arrays)
+        self.data_start = _padded(TRANSPORT_HEADER_BYTES + len(head))
+        self.start = self.data_start - len(head) - TRANSPORT_HEADER_BYTES  # the transport's header
+        self.nbytes = len(head) + sum(_padded(a.nbytes) for a in arrays)  # of the message proper
+        # room for an agreed size up to twice the message, and for widening
+        size = 3 * (self.start + TRANSPORT_HEADER_BYTES + self.nbytes) + 16384
+        fits = reuse is not None and size <= reuse.size <= 2 * size
+        self.buffer = reuse if fits else np.zeros(size, np.uint8)
+        self.views, pos = [], self.data_start
+        for a in arrays:
+            self.views.append(self._view(pos, a.dtype, a.shape))
+            self.views[-1][...] = a
+            self._tables_at = pos  # the last array's offset
+            pos += _padded(a.nbytes)
+        self._sealed: tuple[int, int] | None = None  # (kind, graph_bucket) of the head written
+
+    def _view(self, pos: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        return self.buffer[pos:pos + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
+
+    def plan(self, kind: StepKind, graph_bucket: int = -1) -> StepPlan:
+        """A plan whose arrays are this message's views."""
+        return StepPlan(kind, graph_bucket=graph_bucket, wire=self,
+                        **dict(zip(_ARRAY_FIELDS, self.views)))
+
+    def holds(self, plan: StepPlan) -> bool:
+        """plan's arrays are still this message's views (nobody swapped one out)."""
+        return all(getattr(plan, name) is view for name, view in zip(_ARRAY_FIELDS, self.views))
+
+    def widen(self, width: int) -> bool:
+        """Give the block tables `width` (> theirs) columns in place, the new ones zero
+        (plans made before hold stale views). False when the buffer has no room left."""
+        tables = self.views[-1]
+        rows, old = tables.shape
+        nbytes = self.nbytes + _padded(rows * width * tables.itemsize) - _padded(tables.nbytes)
+        # the old tables go past the new ones first: the rows overlap their new places, and
+        # numpy would copy through a fresh temporary (an mmap and page faults, every time)
+        scratch = _padded(self.data_start + nbytes)
+        if scratch + tables.nbytes > self.buffer.size or 2 * scratch > self.buffer.size:
+            return False  # (the room a transport sending a fixed size may need)
+        moved = self._view(scratch, tables.dtype, tables.shape)
+        moved[...] = tables
+        wider = self._view(self._tables_at, tables.dtype, (rows, width))
+        wider[:, :old] = moved
+        wider[:, old:] = 0
+        self.views[-1], self.nbytes, self._sealed = wider, nbytes, None
+        return True
+
+    def seal(self, plan: StepPlan) -> None:
+        """Write plan's head (its kind and graph bucket) in front of the data, unless the
+        last seal wrote the same."""
+        if self._sealed != (plan.kind, plan.graph_bucket):
+            head = _pack_head(plan.kind, plan.graph_bucket, self.views)
+            self.buffer[self.data_start - len(head):self.data_start] = np.frombuffer(head, np.uint8)
+            self._sealed = (plan.kind, plan.graph_bucket)
 
 
 def encode_plan(plan: StepPlan) -> bytes:

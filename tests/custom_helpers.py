@@ -8,7 +8,7 @@ so they go through the same loading, weight lookup and dry run as a deployment's
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -282,7 +282,7 @@ def run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, dict | No
     execute = engine.runner.execute
 
     def recording_execute(plan, *args, **kwargs):
-        plans.append(copy.deepcopy(plan))  # a plan's block tables live until the next build
+        plans.append(copy.deepcopy(replace(plan, wire=None)))  # a plan's arrays live until the next build
         return execute(plan, *args, **kwargs)
 
     engine.runner.execute = recording_execute

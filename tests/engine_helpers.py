@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import replace
 import weakref
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def capture_plans(llm: LLM):
     original = runner.execute
 
     def wrapper(plan, *args, **kwargs):
-        plans.append(copy.deepcopy(plan))  # a plan's block tables live until the next build
+        plans.append(copy.deepcopy(replace(plan, wire=None)))  # a plan's arrays live until the next build
         return original(plan, *args, **kwargs)
 
     runner.execute = wrapper

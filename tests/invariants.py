@@ -17,7 +17,7 @@ the sequences themselves: the scheduler's per-row records (newest token, table s
 length, block capacity) and flags (special rows, partial, all single) agree with the
 sequences, no row writes a shared block, and every array of the plan equals what the general
 token-by-token builder makes from the sequences, with block tables rebuilt from each
-sequence's own table.
+sequence's own table; a plan laid out in its wire message decodes from it unchanged.
 
 `watch_steps(llm_or_engine)` makes the engine run `check_engine` after every `step()`, and
 `check_plan` on every plan it builds. It swaps the instances' classes for subclasses (no cost
@@ -35,7 +35,7 @@ from coordinator.engine import Engine
 from coordinator.planner import PlanRows, _mixed_plan
 from coordinator.scheduler import ScheduledBatch
 from coordinator.sequence import SeqStatus
-from ranks.plan import _ARRAY_FIELDS, StepPlan
+from ranks.plan import _ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepPlan, decode_plan
 
 
 def block_counts(engine: Engine) -> dict[str, int]:
@@ -130,10 +130,28 @@ def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size
                                   np.asarray(batch.context_lens, np.int32))
     for name in _ARRAY_FIELDS:
         got, ref = getattr(plan, name), getattr(want, name)
+        if name == "block_tables":  # may be zero-padded (advanced plans)
+            assert got.shape[1] >= ref.shape[1] and not got[:, ref.shape[1]:].any(), "padding"
+            got = got[:, :ref.shape[1]]
         assert got.dtype == ref.dtype and np.array_equal(got, ref), \
             f"plan.{name}: {got.tolist()} != {ref.tolist()}"
     assert list(map(id, rows.logit_seqs)) == list(map(id, want_rows.logit_seqs)), "logit rows"
     assert list(map(id, rows.custom_seqs)) == list(map(id, want_rows.custom_seqs)), "custom rows"
+    if plan.wire is not None:
+        check_wire(plan)
+
+
+def check_wire(plan: StepPlan) -> None:
+    """A plan laid out in its message (PlanMessage): the message, sealed, decodes to it."""
+    wire = plan.wire
+    assert wire.holds(plan), "the plan's arrays are not its message's views"
+    wire.seal(plan)
+    start = wire.start + TRANSPORT_HEADER_BYTES
+    sent = decode_plan(memoryview(wire.buffer[start:start + wire.nbytes]))
+    assert (sent.kind, sent.graph_bucket) == (plan.kind, plan.graph_bucket)
+    for name in _ARRAY_FIELDS:
+        got, ref = getattr(sent, name), getattr(plan, name)
+        assert got.dtype == ref.dtype and np.array_equal(got, ref), f"wire {name}"
 
 
 _CHECKED: dict[type, type] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from ranks.plan import EncodedPlan, StepKind, StepPlan, decode_plan, encode_plan
+from ranks.plan import _ARRAY_FIELDS, EncodedPlan, StepKind, StepPlan, decode_plan, encode_plan
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
           "block_tables", "logit_rows", "custom_rows", "block_copies")
@@ -52,7 +52,7 @@ def test_the_message_is_one_msgpack_map_with_the_data_last() -> None:
     plan = _plan(np.random.default_rng(1), 4, 6)
     body = msgpack.unpackb(encode_plan(plan), raw=False)
     assert list(body) == ["kind", "graph_bucket", "arrays", "data"]
-    assert body["arrays"][5] == ["<i4", [4, 6]]  # block_tables, in field order
+    assert body["arrays"][-1] == ["<i4", [4, 6]]  # block_tables, last on the wire
     assert len(body["data"]) % 8 == 0
 
 
@@ -67,7 +67,8 @@ def test_malformed_messages_are_value_errors() -> None:
         return msgpack.packb({**good, **change}, use_bin_type=True)
     arrays = [list(a) for a in good["arrays"]]
     negative = [a[:] for a in arrays]
-    negative[8] = [negative[8][0], [-1, 2]]  # block_copies
+    copies = _ARRAY_FIELDS.index("block_copies")
+    negative[copies] = [negative[copies][0], [-1, 2]]
     swapped = [a[:] for a in arrays]
     swapped[0] = [">i8", swapped[0][1]]
     for message, why in [(broken(arrays=negative), "bad shape"),
