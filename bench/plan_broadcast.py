@@ -93,7 +93,7 @@ def worker(rank: int, port: int, args, results) -> None:
     channel = PlanChannel(dist.group.WORLD)
     if args.no_decode and rank == 1:
         import ranks.group
-        ranks.group.decode_plan = lambda payload: None  # the bytes arrive; nothing is read
+        ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
     decode_seconds = _time_plan_decoding() if rank == 1 else [0.0]
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
@@ -174,9 +174,9 @@ def _time_plan_decoding() -> list[float]:
     import ranks.group
     decode, seconds = ranks.group.decode_plan, [0.0]
 
-    def timed(payload):
+    def timed(payload, **kwargs):
         start = time.perf_counter()
-        plan = decode(payload)
+        plan = decode(payload, **kwargs)
         seconds[0] += time.perf_counter() - start
         return plan
     ranks.group.decode_plan = timed

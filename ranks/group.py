@@ -82,6 +82,8 @@ class PlanChannel:
         self.size = min_message_bytes  # of the next message, agreed by both sides
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
         self.rest = torch.zeros(0, dtype=torch.uint8)
+        self._received = [self.rest, self.rest]  # the receive buffers, used in turn
+        self._turn = 0
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
         self._wire_header = np.zeros(2, "<u8")  # and a view of its header
@@ -132,19 +134,20 @@ class PlanChannel:
         self.size = next_size
 
     def recv(self) -> StepPlan:
-        message = self._message(self.size)
+        """The next plan. Its arrays are views of one of two receive buffers used in turn (no
+        copy), so a plan stays valid until the second recv after it."""
+        self._turn ^= 1
+        message = self._receive_buffer(self.size)
         dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
         n, next_size = (int(v) for v in head[:HEADER_BYTES].view("<u8"))
         k = min(n, self.size - HEADER_BYTES)
-        if n == k:  # decode_plan copies what it keeps: the buffer is free for the next plan
-            payload: bytes | memoryview = memoryview(head[HEADER_BYTES:HEADER_BYTES + n])
-        else:
-            rest = self._rest(n - k)
-            dist.broadcast(rest, src=0, group=self.group)
-            payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes()
         self.size = next_size
-        return decode_plan(payload)
+        if n == k:
+            return decode_plan(head[HEADER_BYTES:HEADER_BYTES + n], copy=False)
+        rest = self._rest(n - k)
+        dist.broadcast(rest, src=0, group=self.group)
+        return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
 
     def _next_size(self, n: int) -> int:
         """Keep the agreed size while this plan fits in it and fills more than half of it;
@@ -153,6 +156,11 @@ class PlanChannel:
         if need <= self.size and 2 * need > self.size:
             return self.size
         return max(self.min_bytes, -(-(need + need // 16) // 4096) * 4096)
+
+    def _receive_buffer(self, size: int) -> torch.Tensor:
+        if self._received[self._turn].numel() < size:
+            self._received[self._turn] = torch.zeros(size, dtype=torch.uint8)
+        return self._received[self._turn][:size]
 
     def _message(self, size: int) -> torch.Tensor:
         if self.buffer.numel() < size:

@@ -4,7 +4,8 @@ Arrays travel as raw bytes (one trailing bin, each array 8-aligned), never as Py
 plan is self-contained: a rank needs nothing from earlier plans but its KV cache. On rank 0 a
 plan is used up within its step: its arrays may be views of the planner's buffers (the block
 tables, or a PlanMessage that the next decode step advances in place), which the next build
-rewrites (copy a plan to keep it; received plans own their arrays).
+rewrites (copy a plan to keep it). Received plans are views of the channel's receive buffers
+(ranks/group.py: valid until the second receive after them).
 """
 from __future__ import annotations
 
@@ -191,13 +192,57 @@ def encode_plan(plan: StepPlan) -> bytes:
     return EncodedPlan(plan).tobytes()
 
 
-def decode_plan(data: bytes | memoryview) -> StepPlan:
+def decode_plan(data: bytes | memoryview | np.ndarray, copy: bool = True) -> StepPlan:
     """The plan in data (any buffer). Its arrays are writable views of one private copy of
-    the data bytes. A malformed message (not the map above, a non-numeric or byte-swapped
-    dtype, a bad shape, data of the wrong length) is a ValueError."""
+    the data bytes, or, with copy=False and a writable buffer, views of the buffer itself
+    (valid while the caller leaves it alone). A malformed message (not the map above, a
+    non-numeric or byte-swapped dtype, a bad shape, data of the wrong length) is a
+    ValueError."""
+    view = memoryview(data)
+    head = _read_head(view)  # the usual message, without msgpack copying its data
+    if head is None:
+        return _decode_body(_unpack(view), None)
+    body, at, n = head
+    blob = np.frombuffer(view, np.uint8, count=n, offset=at)
+    if copy or not blob.flags.writeable:
+        blob = blob.copy()
+    return _decode_body(body, blob)
+
+
+def _unpack(view: memoryview) -> dict:
     try:
-        body = msgpack.unpackb(data, raw=False)
-        blob = np.frombuffer(body["data"], np.uint8).copy()
+        return msgpack.unpackb(view, raw=False)
+    except (TypeError, msgpack.UnpackException) as e:
+        raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e
+
+
+def _read_head(view: memoryview) -> tuple[dict, int, int] | None:
+    """(the map without "data", where the data bytes start, how many) when the message is a
+    map whose last entry is "data", a bin, and whose head fits the first 4 KiB; else None
+    (then msgpack reads the whole message, and names what is wrong with it)."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(view[:4096])
+        body, entries = {}, unpacker.read_map_header()
+        for i in range(entries):
+            key = unpacker.unpack()
+            if key != "data":
+                body[key] = unpacker.unpack()
+            elif i == entries - 1:
+                at = unpacker.tell()
+                width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(view[at], 0)
+                n = int.from_bytes(view[at + 1:at + 1 + width], "big")
+                if width and at + 1 + width + n == len(view):
+                    return body, at + 1 + width, n
+        return None
+    except Exception:  # noqa: BLE001 (whatever it is, the full unpack reports it)
+        return None
+
+
+def _decode_body(body: dict, blob: np.ndarray | None) -> StepPlan:
+    try:
+        if blob is None:
+            blob = np.frombuffer(body["data"], np.uint8).copy()
         arrays, pos = {}, 0
         for name, (dtype, shape) in zip(_ARRAY_FIELDS, body["arrays"], strict=True):
             arrays[name] = _view(blob, pos, name, np.dtype(dtype), shape)
@@ -217,4 +262,4 @@ def _view(blob: np.ndarray, pos: int, name: str, dt: np.dtype, shape: list) -> n
     n = dt.itemsize * math.prod(shape)
     if pos + n > blob.size:
         raise ValueError(f"plan array {name} runs past the data")
-    return blob[pos:pos + n].view(dt).reshape(shape)
+    return np.ndarray(shape, dt, blob, pos)

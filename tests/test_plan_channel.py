@@ -38,6 +38,11 @@ def _laid_out(i: int, wider: int) -> StepPlan:
     return message.plan(StepKind.DECODE)
 
 
+def _equal(a: StepPlan, b: StepPlan) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f))
+               for f in ("input_ids", "context_lens", "block_tables"))
+
+
 def _rank(rank: int, port: int, laid_out: bool, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -61,8 +66,8 @@ def _rank(rank: int, port: int, laid_out: bool, results) -> None:
             channel.send(_laid_out(i, wider) if laid_out else _plan(i))
         else:
             got, want = channel.recv(), _plan(i, wider)
-            intact.append(all(np.array_equal(getattr(got, f), getattr(want, f))
-                              for f in ("input_ids", "context_lens", "block_tables")))
+            intact.append(_equal(got, want) and (i == 0 or _equal(*previous)))
+            previous = got, want  # a received plan stays valid until the second recv after
         counts.append(len(calls) - before)
     results[rank] = {"counts": counts, "intact": intact, "encodes": len(encodes)}
     dist.destroy_process_group()

@@ -79,3 +79,21 @@ def test_malformed_messages_are_value_errors() -> None:
                          (msgpack.packb([1, 2, 3]), "malformed")]:
         with pytest.raises(ValueError, match=why):
             decode_plan(message)
+
+
+def test_a_message_is_read_in_place_when_asked() -> None:
+    """copy=False: the arrays are views of the (writable) message buffer itself; copy=True
+    (the default) and read-only buffers: a private copy. A map whose data is not its last
+    entry is read by msgpack whole, and decodes the same."""
+    plan = _plan(np.random.default_rng(3), 5, 4)
+    buffer = np.frombuffer(bytearray(encode_plan(plan)), np.uint8)
+    in_place = decode_plan(buffer, copy=False)
+    assert _same(in_place, plan)
+    assert all(np.shares_memory(getattr(in_place, f), buffer) for f in FIELDS if getattr(plan, f).size)
+    copied = decode_plan(buffer)
+    assert _same(copied, plan) and not any(np.shares_memory(getattr(copied, f), buffer) for f in FIELDS)
+    read_only = decode_plan(bytes(buffer), copy=False)
+    assert _same(read_only, plan) and read_only.block_tables.flags.writeable
+    body = msgpack.unpackb(encode_plan(plan), raw=False)
+    data_first = msgpack.packb({"data": body.pop("data"), **body}, use_bin_type=True)
+    assert _same(decode_plan(data_first), plan)
