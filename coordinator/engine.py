@@ -21,7 +21,7 @@ from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
                                         encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
-from coordinator.outputs import put_news_in_columns, request_output
+from coordinator.outputs import SteadyColumns, request_output
 from coordinator.planner import PlanRows, Planner
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
@@ -81,6 +81,7 @@ class Engine:
         self._arrivals = count()
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._stop_cuts: list[tuple[Sequence, int]] = []  # (sequence, output tokens to keep)
+        self.columns = SteadyColumns()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -142,12 +143,13 @@ class Engine:
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
-        self._postprocess(batch, plan, rows, result)
-        self._collect_outputs(batch, outputs)
+        advanced = self._postprocess(batch, plan, rows, result)
+        self._collect_outputs(batch, outputs, advanced)
         return outputs
 
     def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
-                     result: StepOutput) -> None:
+                     result: StepOutput) -> list[int] | None:
+        """Returns each row's token when every row gained exactly its sampled token."""
         seqs = batch.seqs
         for seq, context_len in zip(seqs, batch.context_lens):
             seq.num_computed_tokens = context_len
@@ -165,11 +167,14 @@ class Engine:
         if advanced is not None and not rows.custom_seqs and len(live) == len(seqs) \
                 and plan.kind is StepKind.DECODE:
             self.scheduler.note_advanced(batch, advanced)  # every row gained its token alone
+            return advanced
+        return None
 
-    def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs) -> None:
+    def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs,
+                         advanced: list[int] | None) -> None:
         """One output per request the step touched: the usual decode news in the columns
         (coordinator/outputs.py), a full RequestOutput for the rest."""
-        for request in put_news_in_columns(batch.seqs, outputs):
+        for request in self.columns.put(batch, advanced, outputs):
             if request.params.max_new_tokens == 0:
                 self._finish_scoring_only(request)
             outputs.outputs.append(self._output(request))

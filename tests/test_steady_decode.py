@@ -122,3 +122,34 @@ def test_steady_steps_run_while_the_queue_waits_for_a_free_seat(demo_dir):
     results = run(llm, prompts, [greedy(12 + 6 * i) for i in range(4)])
     assert [len(r.outputs[0].token_ids) for r in results] == [12, 18, 24, 30]
     assert sum(steady_while_waiting) >= 10, steady_while_waiting
+
+
+def _output_stream(engine, prompts, params) -> list[list[tuple]]:
+    """Every step's outputs, expanded (columns included), as comparable tuples."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    steps = []
+    while engine.has_work():
+        steps.append(sorted((o.request_id, o.finished, tuple((s.index, tuple(s.new_token_ids),
+                                                               s.finish_reason) for s in o.sequences))
+                            for o in engine.step()))
+    return steps
+
+
+def test_steady_steps_put_their_news_in_the_columns_as_the_general_pass(demo_dir, monkeypatch):
+    """SteadyColumns' shortcut (same rows, one sampled token each) gives the step outputs of
+    put_news_in_columns, step for step, through first tokens and finishes."""
+    from coordinator import outputs as outputs_module
+    prompts = random_prompts([18, 30, 11, 25], 1000, seed=9)
+    params = [greedy(10 + 7 * i) for i in range(4)]
+    general_steps = []
+    put = outputs_module.put_news_in_columns
+    monkeypatch.setattr(outputs_module, "put_news_in_columns",
+                        lambda seqs, outputs: general_steps.append(1) or put(seqs, outputs))
+    got = _output_stream(make_llm(demo_dir, num_kv_blocks=64, max_model_len=256).engine,
+                         prompts, params)
+    assert len(general_steps) < 0.5 * len(got), (len(general_steps), len(got))  # shortcuts
+    monkeypatch.setattr(outputs_module.SteadyColumns, "put",
+                        lambda self, batch, tokens, outputs: put(batch.seqs, outputs))
+    assert got == _output_stream(make_llm(demo_dir, num_kv_blocks=64, max_model_len=256).engine,
+                                 prompts, params)
