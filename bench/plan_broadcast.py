@@ -49,7 +49,7 @@ from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
 from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
-from ranks.plan import StepKind, StepPlan, encode_plan  # noqa: E402
+from ranks.plan import encode_plan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -90,6 +90,7 @@ class DecodingBatch:
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    channel = PlanChannel(dist.group.WORLD)
     if args.no_decode and rank == 1:
         import ranks.group
         ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
@@ -111,8 +112,6 @@ def worker(rank: int, port: int, args, results) -> None:
             decoding = DecodingBatch(args.batch, args.context, args.steps)
             # the round's block manager stamps tables anew
             planner = Planner(BLOCK_SIZE, width_step=args.width_step)
-        if name == "plan":  # both sides: a channel that starts afresh (the last one stopped)
-            channel = PlanChannel(dist.group.WORLD)
         dist.barrier()
         start = time.perf_counter()
         spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
@@ -147,10 +146,6 @@ def worker(rank: int, port: int, args, results) -> None:
                 t0 = time.perf_counter()
                 channel.recv()
                 spent["recv"] += time.perf_counter() - t0
-        if name == "plan":  # a stop plan, untimed: rank 1 then has no receive posted
-            t0 = time.perf_counter()
-            channel.send(StepPlan(StepKind.STOP)) if rank == 0 else channel.recv()
-            spent["engine"] += time.perf_counter() - t0
         dist.barrier()
         # the engine's other work between plans (scheduling, the advance) is not the plan's cost
         elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3

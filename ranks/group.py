@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from model.layers import TPGroup
 from ranks.local_group import STORE_ENV
-from ranks.plan import (TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepKind, StepPlan,
-                        decode_plan)
+from ranks.plan import TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepPlan, decode_plan
 
 # the plan's length, the next message's size (little-endian uint64)
 HEADER_BYTES = TRANSPORT_HEADER_BYTES
@@ -85,7 +84,6 @@ class PlanChannel:
         self.rest = torch.zeros(0, dtype=torch.uint8)
         self._received = [self.rest, self.rest]  # the receive buffers, used in turn
         self._turn = 0
-        self._pending: tuple[torch.Tensor, Any] | None = None  # the posted receive
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
         self._wire_header = np.zeros(2, "<u8")  # and a view of its header
@@ -97,7 +95,7 @@ class PlanChannel:
             return
         encoded = EncodedPlan(plan)
         n = encoded.nbytes
-        next_size = self._next_size(n, plan)
+        next_size = self._next_size(n)
         message = self._message(self.size)
         head = message.numpy()
         head[:HEADER_BYTES] = np.array([n, next_size], "<u8").view(np.uint8)
@@ -120,7 +118,7 @@ class PlanChannel:
         next bytes). Only when the agreed size outgrows the message's room (a small plan
         after a large one) are its bytes copied into the channel's buffer."""
         wire.seal(plan)
-        n, next_size, start = wire.nbytes, self._next_size(wire.nbytes, plan), wire.start
+        n, next_size, start = wire.nbytes, self._next_size(wire.nbytes), wire.start
         if wire is not self._wire:
             self._wire, self._wire_body = wire, torch.from_numpy(wire.buffer)[start:]
             self._wire_header = wire.buffer[start:start + HEADER_BYTES].view("<u8")
@@ -136,38 +134,24 @@ class PlanChannel:
         self.size = next_size
 
     def recv(self) -> StepPlan:
-        """The next plan. The receive of the plan after it is posted before this one is
-        decoded (rank 0's next broadcast never waits for this rank's decode or its step),
-        unless this is a stop plan (its header's next size is 0: nothing follows). The
-        plan's arrays are views of one of two receive buffers used in turn (no copy), so a
-        plan stays valid until the next recv."""
-        message, work = self._pending or self._post(self.size)
-        work.wait()
+        """The next plan. Its arrays are views of one of two receive buffers used in turn (no
+        copy), so a plan stays valid until the second recv after it."""
+        self._turn ^= 1
+        message = self._receive_buffer(self.size)
+        dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
         n, next_size = (int(v) for v in head[:HEADER_BYTES].view("<u8"))
         k = min(n, self.size - HEADER_BYTES)
-        if n > k:
-            rest = self._rest(n - k)
-            dist.broadcast(rest, src=0, group=self.group)
-            payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes()
         self.size = next_size
-        self._pending = self._post(next_size) if next_size else None
-        if n > k:
-            return decode_plan(payload)
-        return decode_plan(head[HEADER_BYTES:HEADER_BYTES + n], copy=False)
+        if n == k:
+            return decode_plan(head[HEADER_BYTES:HEADER_BYTES + n], copy=False)
+        rest = self._rest(n - k)
+        dist.broadcast(rest, src=0, group=self.group)
+        return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
 
-    def _post(self, size: int) -> tuple[torch.Tensor, Any]:
-        """Post the receive of the next message (size bytes) into the other buffer."""
-        self._turn ^= 1
-        message = self._receive_buffer(size)
-        return message, dist.broadcast(message, src=0, group=self.group, async_op=True)
-
-    def _next_size(self, n: int, plan: StepPlan) -> int:
+    def _next_size(self, n: int) -> int:
         """Keep the agreed size while this plan fits in it and fills more than half of it;
-        else this plan's size plus 1/16 headroom, rounded up to 4 KiB. 0 after a stop plan:
-        no message follows it (receivers post no receive)."""
-        if plan.kind is StepKind.STOP:
-            return 0
+        else this plan's size plus 1/16 headroom, rounded up to 4 KiB."""
         need = n + HEADER_BYTES
         if need <= self.size and 2 * need > self.size:
             return self.size
