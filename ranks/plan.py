@@ -63,7 +63,9 @@ class StepPlan:
 # the wire's order: the block tables last, so that a laid-out message widens them in place
 _ARRAY_FIELDS = [f.name for f in fields(StepPlan)
                  if f.name not in ("kind", "graph_bucket", "wire", "block_tables")] + ["block_tables"]
-_ALIGN = 8  # each array starts 8-aligned in the data blob, so the receiver's views are aligned
+_ALIGN = 8  # each array starts 8-aligned in the data blob (aligned in a copy of the blob;
+# views of a received buffer are as aligned as the blob's start there, which numpy and torch
+# read either way)
 # The message is one msgpack map: {"kind": int, "graph_bucket": int, "arrays": [[dtype, shape],
 # ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
 # arrays' bytes straight into the broadcast buffer after the packed head.
@@ -226,9 +228,13 @@ def _read_head(view: memoryview) -> tuple[dict, int, int] | None:
         body, entries = {}, unpacker.read_map_header()
         for i in range(entries):
             key = unpacker.unpack()
+            if type(key) is not str or key in body:
+                return None
             if key != "data":
                 body[key] = unpacker.unpack()
-            elif i == entries - 1:
+            elif i != entries - 1:
+                return None
+            else:
                 at = unpacker.tell()
                 width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(view[at], 0)
                 n = int.from_bytes(view[at + 1:at + 1 + width], "big")
@@ -250,7 +256,8 @@ def _decode_body(body: dict, blob: np.ndarray | None) -> StepPlan:
         if pos != blob.size:
             raise ValueError(f"plan data is {blob.size} bytes, its arrays take {pos}")
         return StepPlan(kind=StepKind(body["kind"]), graph_bucket=int(body["graph_bucket"]), **arrays)
-    except (TypeError, KeyError, msgpack.UnpackException) as e:
+    except (TypeError, KeyError, OverflowError, SyntaxError, msgpack.UnpackException) as e:
+        # (numpy's dtype parser raises SyntaxError for some strings, int() OverflowError)
         raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e
 
 

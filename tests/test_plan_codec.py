@@ -97,3 +97,27 @@ def test_a_message_is_read_in_place_when_asked() -> None:
     body = msgpack.unpackb(encode_plan(plan), raw=False)
     data_first = msgpack.packb({"data": body.pop("data"), **body}, use_bin_type=True)
     assert _same(decode_plan(data_first), plan)
+
+
+def test_the_quick_head_reader_accepts_nothing_msgpack_refuses() -> None:
+    """A map that says it has more entries than it holds, an int key: refused (ValueError);
+    a "data" entry that is not last: read by msgpack whole, as before the quick reader; bad
+    dtype strings and infinite numbers: ValueError."""
+    import pytest
+    plan = _plan(np.random.default_rng(4), 3, 2)
+    body = msgpack.unpackb(encode_plan(plan), raw=False)
+    entries = b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
+                       for k, v in body.items())
+    for message in (b"\x85" + entries,  # five entries declared, four there
+                    b"\x85\x01\x01" + entries):  # an int key
+        with pytest.raises(ValueError):
+            decode_plan(message)
+    # "data" twice, the first not last: read as msgpack reads it (the last value wins)
+    data_twice = b"\x85" + msgpack.packb("data") + msgpack.packb(b"", use_bin_type=True) + entries
+    assert _same(decode_plan(data_twice), plan)
+    for bad in ([",", [1]], ["<i8", [float("inf")]]):
+        broken = dict(body, arrays=[bad] + body["arrays"][1:])
+        with pytest.raises(ValueError):
+            decode_plan(msgpack.packb(broken, use_bin_type=True))
+    with pytest.raises(ValueError):
+        decode_plan(msgpack.packb(dict(body, graph_bucket=float("inf")), use_bin_type=True))
