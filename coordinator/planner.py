@@ -262,7 +262,10 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
     seqs = batch.seqs
     n = len(seqs)
     positions = context_lens - 1  # int32 here; int64 on the wire (the StepPlan dtypes)
-    slots = _slots(tables, positions, block_size, arange[:n])
+    blocks = tables[arange[:n], positions // block_size]
+    slots = blocks.astype(np.int64)
+    slots *= block_size
+    slots += positions % block_size
     rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows, arange[:n])
     plan = StepPlan(
         kind=StepKind.DECODE, input_ids=np.array(batch.last_token_ids, np.int64),
@@ -271,15 +274,6 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
         block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
         block_copies=_copies(batch))
     return plan, rows
-
-
-def _slots(tables: np.ndarray, positions: np.ndarray, block_size: int,
-           rows: np.ndarray) -> np.ndarray:
-    """The KV slot of each row's position (int64); rows: arange(len(positions))."""
-    slots = tables[rows, positions // block_size].astype(np.int64)
-    slots *= block_size
-    slots += positions % block_size
-    return slots
 
 
 def _decode_rows(seqs: list[Sequence], has_special_rows: bool,

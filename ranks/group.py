@@ -86,52 +86,38 @@ class PlanChannel:
         self._turn = 0
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
-        self._wire_header = np.zeros(2, "<u8")  # and a view of its header
 
     def send(self, plan: StepPlan) -> None:
         wire = plan.wire
         if wire is not None and wire.holds(plan):
-            self._send_laid_out(plan, wire)
-            return
-        encoded = EncodedPlan(plan)
-        n = encoded.nbytes
-        next_size = self._next_size(n)
-        message = self._message(self.size)
-        head = message.numpy()
-        head[:HEADER_BYTES] = np.array([n, next_size], "<u8").view(np.uint8)
-        k = min(n, self.size - HEADER_BYTES)
-        if n == k:  # the usual case: the plan is written straight into the message
-            encoded.write_into(head[HEADER_BYTES:HEADER_BYTES + n])
-            dist.broadcast(message, src=0, group=self.group)
-        else:
-            payload = np.frombuffer(encoded.tobytes(), np.uint8)
-            head[HEADER_BYTES:] = payload[:k]
-            dist.broadcast(message, src=0, group=self.group)
-            rest = self._rest(n - k)
-            rest.numpy()[:] = payload[k:]
-            dist.broadcast(rest, src=0, group=self.group)
-        self.size = next_size
-
-    def _send_laid_out(self, plan: StepPlan, wire: PlanMessage) -> None:
-        """A plan already in its message (PlanMessage): the header goes in front of it and
-        the message's own buffer is broadcast, no copy (a remainder is the same buffer's
-        next bytes). Only when the agreed size outgrows the message's room (a small plan
-        after a large one) are its bytes copied into the channel's buffer."""
-        wire.seal(plan)
-        n, next_size, start = wire.nbytes, self._next_size(wire.nbytes), wire.start
-        if wire is not self._wire:
-            self._wire, self._wire_body = wire, torch.from_numpy(wire.buffer)[start:]
-            self._wire_header = wire.buffer[start:start + HEADER_BYTES].view("<u8")
-        self._wire_header[0], self._wire_header[1] = n, next_size
-        if start + self.size <= wire.buffer.size:
-            body = self._wire_body
-        else:
+            body, n = self._laid_out(plan, wire)
+        else:  # the plan is written straight into the channel's buffer
+            encoded = EncodedPlan(plan)
+            n = encoded.nbytes
             body = self._message(max(self.size, HEADER_BYTES + n))
-            body.numpy()[:HEADER_BYTES + n] = wire.buffer[start:start + HEADER_BYTES + n]
+            encoded.write_into(body.numpy()[HEADER_BYTES:])
+        next_size = self._next_size(n)
+        body.numpy()[:HEADER_BYTES].view("<u8")[:] = n, next_size
         dist.broadcast(body[:self.size], src=0, group=self.group)
-        if HEADER_BYTES + n > self.size:
+        if HEADER_BYTES + n > self.size:  # the remainder: the same buffer's next bytes
             dist.broadcast(body[self.size:HEADER_BYTES + n], src=0, group=self.group)
         self.size = next_size
+
+    def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
+        """The bytes to broadcast for a plan already in its message (PlanMessage), and the
+        message's length: the message's own buffer from its header on, no copy; only when
+        the agreed size outgrows the message's room (a small plan after a large one) are
+        its bytes copied into the channel's buffer."""
+        wire.seal(plan)
+        n, start = wire.nbytes, wire.start
+        if start + self.size <= wire.buffer.size:
+            if wire is not self._wire:
+                self._wire, self._wire_body = wire, torch.from_numpy(wire.buffer)[start:]
+            return self._wire_body, n
+        body = self._message(max(self.size, HEADER_BYTES + n))
+        message = slice(start + HEADER_BYTES, start + HEADER_BYTES + n)
+        body.numpy()[HEADER_BYTES:HEADER_BYTES + n] = wire.buffer[message]
+        return body, n
 
     def recv(self) -> StepPlan:
         """The next plan. Its arrays are views of one of two receive buffers used in turn (no

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import msgpack
 import numpy as np
@@ -129,26 +129,25 @@ class PlanMessage:
         """plan's arrays laid out; its block tables zero-padded to table_width columns if
         that is wider (room to grow without widening). reuse: the buffer of a message no
         longer needed (none of plan's arrays in it), taken if large enough."""
-        arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
-        tables = arrays[-1]
-        if table_width > tables.shape[1]:
-            arrays[-1] = np.zeros((tables.shape[0], table_width), tables.dtype)
-            arrays[-1][:, :tables.shape[1]] = tables
-        head = _pack_head(plan.kind, plan.graph_bucket, arrays)
-        self.data_start = _padded(TRANSPORT_HEADER_BYTES + len(head))
-        self.start = self.data_start - len(head) - TRANSPORT_HEADER_BYTES  # the transport's header
-        self.nbytes = len(head) + sum(_padded(a.nbytes) for a in arrays)  # of the message proper
+        pad = table_width - plan.block_tables.shape[1]
+        if pad > 0:
+            plan = replace(plan, block_tables=np.pad(plan.block_tables, ((0, 0), (0, pad))))
+        encoded = EncodedPlan(plan)
+        self.data_start = _padded(TRANSPORT_HEADER_BYTES + len(encoded.head))
+        self.start = self.data_start - len(encoded.head) - TRANSPORT_HEADER_BYTES  # transport's
+        self.nbytes = encoded.nbytes  # of the message proper, head and data
         # room for an agreed size up to twice the message, and for widening
         size = 3 * (self.start + TRANSPORT_HEADER_BYTES + self.nbytes) + 16384
         fits = reuse is not None and size <= reuse.size <= 2 * size
         self.buffer = reuse if fits else np.zeros(size, np.uint8)
+        encoded.write_into(self.buffer[self.start + TRANSPORT_HEADER_BYTES:])
         self.views, pos = [], self.data_start
-        for a in arrays:
+        for a in encoded.arrays:
             self.views.append(self._view(pos, a.dtype, a.shape))
-            self.views[-1][...] = a
             self._tables_at = pos  # the last array's offset
             pos += _padded(a.nbytes)
-        self._sealed: tuple[int, int] | None = None  # (kind, graph_bucket) of the head written
+        # (kind, graph_bucket) of the head written
+        self._sealed: tuple[int, int] | None = (plan.kind, plan.graph_bucket)
 
     def _view(self, pos: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return self.buffer[pos:pos + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
