@@ -19,11 +19,21 @@ the decode) and, of it, the decode. Rank 1 decodes while rank 0 schedules the ne
 in the engine, where it decodes while rank 0 prepares its forward), so its decode only counts
 when it is the slower side.
 
+Plans travel on a gloo group of their own through one PlanChannel for the whole run, as in
+the engine (the receiver keeps the next plan's receive posted, also through the other
+rounds). A round's first step is not timed, in any kind of round: in a plan round it is a
+fresh planner's first, general build (the round starts from a new batch), whose buffers the
+engine allocates once at start-up; its build and send are printed as `first_step_us` (the
+slowest over the rounds).
+
 A third kind of round, "paced", sends the bare bytes with the engine's work between
 broadcasts (scheduling and the advance, untimed, as in the plan rounds), so that both sides
 idle as long between broadcasts as in a plan round: `ratio_to_paced` compares with it. The
 median per-step build and send of the best plan round are printed too (a plan whose longest
-table outgrows its padding is widened in place, once in a while).
+table outgrows its padding is widened in place, once in a while), with the quantiles of its
+sends, the median step of the best bare round and `median_ratio`, the median plan step
+(build + send) over the median bare broadcast: what a typical step costs, without the
+occasional slow step that the means carry.
 """
 from __future__ import annotations
 
@@ -49,7 +59,7 @@ from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
 from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
-from ranks.plan import encode_plan  # noqa: E402
+from ranks.plan import StepKind, StepPlan, encode_plan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -90,7 +100,12 @@ class DecodingBatch:
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    channel = PlanChannel(dist.group.WORLD)
+    # plans on a gloo group of their own, one channel for the whole run, as in the engine (a
+    # receiver keeps the next plan's receive posted, also through the other rounds)
+    channel = PlanChannel(dist.new_group(backend="gloo"))
+    # --lazy-receive: "lazy" rounds, whose receiver posts each receive only when it asks for
+    # the plan (on a group of their own: the other channel keeps a receive posted)
+    lazy = PlanChannel(dist.new_group(backend="gloo"), post_ahead=False) if args.lazy_receive else None
     if args.no_decode and rank == 1:
         import ranks.group
         ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
@@ -106,27 +121,37 @@ def worker(rank: int, port: int, args, results) -> None:
     bare = torch.zeros(nbytes, dtype=torch.uint8)
     timings: dict[str, float] = {}
     phases = {"build": [], "send": [], "recv": [], "decode": []}  # per plan round: us per step
-    per_step = {"build": [], "send": []}  # rank 0's best plan round, us per step
-    for name in ("bare", "paced", "plan") * (args.rounds + 1):  # the first three: a warm-up
+    per_step = {"build": [], "send": []}  # rank 0's best plan round, seconds per step
+    bare_steps: list[float] = []  # rank 0's best bare round, seconds per step
+    first_steps: list[tuple[float, float]] = []  # each plan round's first build and send
+    kinds = ("bare", "paced", "plan") + (("lazy",) if lazy else ())
+    for name in kinds * (args.rounds + 1):  # the first of each: a warm-up
         if name != "bare" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
             # the round's block manager stamps tables anew
             planner = Planner(BLOCK_SIZE, width_step=args.width_step)
-        dist.barrier()
-        start = time.perf_counter()
+        steps: dict[str, list[float]] = {"build": [], "send": [], "broadcast": []}
         spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
-        steps: dict[str, list[float]] = {"build": [], "send": []}
-        decode_seconds[0] = 0.0
-        for _ in range(args.steps):
+        dist.barrier()
+        for step in range(args.steps + 1):
+            if step == 1:  # a round's first step is not timed (see the docstring)
+                if name == "plan" and rank == 0:
+                    first_steps.append((steps["build"][0], steps["send"][0]))
+                start = time.perf_counter()
+                spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
+                steps = {"build": [], "send": [], "broadcast": []}
+                decode_seconds[0] = 0.0
             if name == "bare" or (name == "paced" and rank == 1):
+                t0 = time.perf_counter()
                 dist.broadcast(bare, src=0)
+                steps["broadcast"].append(time.perf_counter() - t0)
             elif name == "paced":  # the engine's work between steps, then the bare bytes
                 t0 = time.perf_counter()
                 decoding.advance(decoding.scheduler.schedule())
                 t1 = time.perf_counter()
                 dist.broadcast(bare, src=0)
                 spent["engine"] += t1 - t0
-            elif rank == 0:
+            elif rank == 0:  # a plan round ("plan", or "lazy" on its own channel)
                 t0 = time.perf_counter()
                 batch = decoding.scheduler.schedule()
                 t1 = time.perf_counter()
@@ -134,7 +159,7 @@ def worker(rank: int, port: int, args, results) -> None:
                 t2 = time.perf_counter()
                 if args.encode:  # sent the general way: encoded into the channel's buffer
                     plan = dataclasses.replace(plan, wire=None)
-                channel.send(plan)
+                (lazy if name == "lazy" else channel).send(plan)
                 t3 = time.perf_counter()
                 decoding.advance(batch)
                 spent["build"] += t2 - t1
@@ -144,18 +169,23 @@ def worker(rank: int, port: int, args, results) -> None:
                 spent["engine"] += time.perf_counter() - t3 + t1 - t0
             else:
                 t0 = time.perf_counter()
-                channel.recv()
+                (lazy if name == "lazy" else channel).recv()
                 spent["recv"] += time.perf_counter() - t0
         dist.barrier()
         # the engine's other work between plans (scheduling, the advance) is not the plan's cost
         elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3
         if name == "plan" and rank == 0 and elapsed < timings.get("plan", float("inf")):
             per_step = steps
+        if name == "bare" and rank == 0 and elapsed < timings.get("bare", float("inf")):
+            bare_steps = steps["broadcast"]
         timings[name] = elapsed if name not in timings else min(timings[name], elapsed)
         if name == "plan":
             spent["decode"] = decode_seconds[0]
             for key in ("build", "send") if rank == 0 else ("recv", "decode"):
                 phases[key].append(spent[key] / args.steps * 1e6)
+    channel.send(StepPlan(StepKind.STOP)) if rank == 0 else channel.recv()  # nothing left posted
+    lazy_ms = {"lazy_receive_ms": round(timings["lazy"], 3),
+               "ratio_lazy": round(timings["lazy"] / timings["bare"], 2)} if lazy else {}
     results[f"phases_rank{rank}"] = {k: round(min(v[1:]), 1) for k, v in phases.items() if v}
     if rank == 0:
         results.update({"batch": args.batch, "context": args.context, "plan_bytes": nbytes,
@@ -165,8 +195,21 @@ def worker(rank: int, port: int, args, results) -> None:
                         "ratio": round(timings["plan"] / timings["bare"], 2),
                         "ratio_to_paced": round(timings["plan"] / timings["paced"], 2),
                         "median_step_us": {k: round(statistics.median(v) * 1e6, 1)
-                                           for k, v in per_step.items()}})
+                                           for k, v in per_step.items() if v},
+                        "median_bare_us": round(statistics.median(bare_steps) * 1e6, 1),
+                        "median_ratio": round(statistics.median(map(sum, zip(per_step["build"], per_step["send"])))
+                                              / statistics.median(bare_steps), 2),
+                        "send_us_quantiles": _quantiles(per_step["send"]),
+                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps[1:])],
+                        **lazy_ms})
     dist.destroy_process_group()
+
+
+def _quantiles(seconds: list[float]) -> dict[str, float]:
+    """p10, p50, p90, p99 and max of one round's per-step times, in microseconds."""
+    q = statistics.quantiles(seconds, n=100, method="inclusive")
+    return {"p10": round(q[9] * 1e6, 1), "p50": round(q[49] * 1e6, 1), "p90": round(q[89] * 1e6, 1),
+            "p99": round(q[98] * 1e6, 1), "max": round(max(seconds) * 1e6, 1)}
 
 
 def _time_plan_decoding() -> list[float]:
@@ -193,6 +236,9 @@ def main() -> None:
                    help="the planner's block-table padding (columns; 1 = none)")
     p.add_argument("--encode", action="store_true",
                    help="send each plan encoded, not from its laid-out message (for comparison)")
+    p.add_argument("--lazy-receive", action="store_true",
+                   help="add rounds whose receiver posts each receive only when it asks for the "
+                        "plan, not ahead (for comparison)")
     p.add_argument("--no-decode", action="store_true",
                    help="rank 1 receives the bytes but does not decode them (for comparison)")
     args = p.parse_args()

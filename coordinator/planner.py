@@ -98,14 +98,14 @@ class Planner:
         plan.positions += 1
         plan.context_lens += 1
         plan.slot_mapping += 1  # the slot after the last one, but in a new block:
-        if grown:
-            width = max(batch.grown_cols) + 1
+        if grown.size:
+            width = int(batch.grown_cols.max()) + 1
             if width > plan.block_tables.shape[1]:  # the longest table outgrew the padding
                 width = self._table_width(width)
                 wire = plan.wire if plan.wire.widen(width) else PlanMessage(plan, width)
                 plan = wire.plan(StepKind.DECODE)
             plan.block_tables[grown, batch.grown_cols] = blocks
-            plan.slot_mapping[grown] = [b * self.block_size for b in blocks]  # its first slot
+            plan.slot_mapping[grown] = blocks * self.block_size  # its first slot
         return plan
 
     def _table_width(self, width: int) -> int:

@@ -66,11 +66,11 @@ class ScheduledBatch:
     # a steady step: the serial of the batch whose rows this one advances by a token each
     # (the same sequences in the same order, each table exactly the blocks its tokens fill;
     # else -1); the rows whose tables grew since, by one block each, the blocks' indices in
-    # their tables and the blocks
+    # their tables and the blocks (int64 arrays: the planner scatters them)
     follows: int = -1
-    grown_rows: list[int] = field(default_factory=list)
-    grown_cols: list[int] = field(default_factory=list)
-    grown_blocks: list[int] = field(default_factory=list)
+    grown_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    grown_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    grown_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -215,27 +215,27 @@ class Scheduler:
                 return None  # a table holds a block beyond its tokens' (never seen so far)
         # from here on each table holds exactly the blocks of the tokens in the KV, so a row
         # writes into a new block exactly when it grows (the planner relies on it)
-        grow = np.flatnonzero(context_lens > capacities).tolist()
-        if len(grow) > self.blocks.num_free_blocks:
+        grow = np.flatnonzero(context_lens > capacities)
+        if grow.size > self.blocks.num_free_blocks:
             return None
-        stamps, copies, cols, new_blocks = list(steady.stamps), [], [], []
-        if grow:
-            capacities = capacities.copy()
-        for i in grow:  # a growing row writes a new block: never a copy for a single request
+        stamps, copies, new_blocks = list(steady.stamps), [], []
+        for i in grow.tolist():  # a growing row writes a new block: never a copy for a single request
             seq = seqs[i]
             copy = self.blocks.append_slot(seq)
             if copy is not None:
                 copies.append(copy)
             stamps[i] = seq.block_table_version
-            table = seq.block_table
-            cols.append(len(table) - 1)
-            new_blocks.append(table[-1])
-            capacities[i] += size
+            new_blocks.append(seq.block_table[-1])
+        if grow.size:
+            capacities = capacities.copy()
+            capacities[grow] += size
         self.num_steady_steps += 1
+        # a grown row's new block holds its newest token, at (context_len - 1) // size
         return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
                               block_copies=copies, block_capacities=capacities,
                               serial=self._serial, follows=steady.serial, grown_rows=grow,
-                              grown_cols=cols, grown_blocks=new_blocks)
+                              grown_cols=(context_lens[grow] - 1) // size,
+                              grown_blocks=np.array(new_blocks, np.int64))
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all
