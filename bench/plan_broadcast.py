@@ -20,8 +20,7 @@ in the engine, where it decodes while rank 0 prepares its forward), so its decod
 when it is the slower side.
 
 Plans travel on a gloo group of their own through one PlanChannel for the whole run, as in
-the engine (the receiver keeps the next plan's receive posted, also through the other
-rounds). A round's first step is not timed, in any kind of round: in a plan round it is a
+the engine. A round's first step is not timed, in any kind of round: in a plan round it is a
 fresh planner's first, general build (the round starts from a new batch), whose buffers the
 engine allocates once at start-up; its build and send are printed as `first_step_us` (the
 slowest over the rounds).
@@ -59,7 +58,7 @@ from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
 from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
-from ranks.plan import StepKind, StepPlan, encode_plan  # noqa: E402
+from ranks.plan import encode_plan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -100,12 +99,8 @@ class DecodingBatch:
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    # plans on a gloo group of their own, one channel for the whole run, as in the engine (a
-    # receiver keeps the next plan's receive posted, also through the other rounds)
+    # plans on a gloo group of their own, one channel for the whole run, as in the engine
     channel = PlanChannel(dist.new_group(backend="gloo"))
-    # --lazy-receive: "lazy" rounds, whose receiver posts each receive only when it asks for
-    # the plan (on a group of their own: the other channel keeps a receive posted)
-    lazy = PlanChannel(dist.new_group(backend="gloo"), post_ahead=False) if args.lazy_receive else None
     if args.no_decode and rank == 1:
         import ranks.group
         ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
@@ -124,8 +119,7 @@ def worker(rank: int, port: int, args, results) -> None:
     per_step = {"build": [], "send": []}  # rank 0's best plan round, seconds per step
     bare_steps: list[float] = []  # rank 0's best bare round, seconds per step
     first_steps: list[tuple[float, float]] = []  # each plan round's first build and send
-    kinds = ("bare", "paced", "plan") + (("lazy",) if lazy else ())
-    for name in kinds * (args.rounds + 1):  # the first of each: a warm-up
+    for name in ("bare", "paced", "plan") * (args.rounds + 1):  # the first three: a warm-up
         if name != "bare" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
             # the round's block manager stamps tables anew
@@ -151,7 +145,7 @@ def worker(rank: int, port: int, args, results) -> None:
                 t1 = time.perf_counter()
                 dist.broadcast(bare, src=0)
                 spent["engine"] += t1 - t0
-            elif rank == 0:  # a plan round ("plan", or "lazy" on its own channel)
+            elif rank == 0:
                 t0 = time.perf_counter()
                 batch = decoding.scheduler.schedule()
                 t1 = time.perf_counter()
@@ -159,7 +153,7 @@ def worker(rank: int, port: int, args, results) -> None:
                 t2 = time.perf_counter()
                 if args.encode:  # sent the general way: encoded into the channel's buffer
                     plan = dataclasses.replace(plan, wire=None)
-                (lazy if name == "lazy" else channel).send(plan)
+                channel.send(plan)
                 t3 = time.perf_counter()
                 decoding.advance(batch)
                 spent["build"] += t2 - t1
@@ -169,7 +163,7 @@ def worker(rank: int, port: int, args, results) -> None:
                 spent["engine"] += time.perf_counter() - t3 + t1 - t0
             else:
                 t0 = time.perf_counter()
-                (lazy if name == "lazy" else channel).recv()
+                channel.recv()
                 spent["recv"] += time.perf_counter() - t0
         dist.barrier()
         # the engine's other work between plans (scheduling, the advance) is not the plan's cost
@@ -183,9 +177,6 @@ def worker(rank: int, port: int, args, results) -> None:
             spent["decode"] = decode_seconds[0]
             for key in ("build", "send") if rank == 0 else ("recv", "decode"):
                 phases[key].append(spent[key] / args.steps * 1e6)
-    channel.send(StepPlan(StepKind.STOP)) if rank == 0 else channel.recv()  # nothing left posted
-    lazy_ms = {"lazy_receive_ms": round(timings["lazy"], 3),
-               "ratio_lazy": round(timings["lazy"] / timings["bare"], 2)} if lazy else {}
     results[f"phases_rank{rank}"] = {k: round(min(v[1:]), 1) for k, v in phases.items() if v}
     if rank == 0:
         results.update({"batch": args.batch, "context": args.context, "plan_bytes": nbytes,
@@ -200,8 +191,7 @@ def worker(rank: int, port: int, args, results) -> None:
                         "median_ratio": round(statistics.median(map(sum, zip(per_step["build"], per_step["send"])))
                                               / statistics.median(bare_steps), 2),
                         "send_us_quantiles": _quantiles(per_step["send"]),
-                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps[1:])],
-                        **lazy_ms})
+                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps[1:])]})
     dist.destroy_process_group()
 
 
@@ -236,9 +226,6 @@ def main() -> None:
                    help="the planner's block-table padding (columns; 1 = none)")
     p.add_argument("--encode", action="store_true",
                    help="send each plan encoded, not from its laid-out message (for comparison)")
-    p.add_argument("--lazy-receive", action="store_true",
-                   help="add rounds whose receiver posts each receive only when it asks for the "
-                        "plan, not ahead (for comparison)")
     p.add_argument("--no-decode", action="store_true",
                    help="rank 1 receives the bytes but does not decode them (for comparison)")
     args = p.parse_args()

@@ -117,7 +117,7 @@ def start_rank(config: EngineConfig, expected_tp: int | None = None
     if not ctx.is_driver:
         ignore_termination_signals()
     runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
-    return ctx, runner, PlanChannel(ctx.plan_group, ctx.peer_timeout) if ctx.world_size > 1 else None
+    return ctx, runner, PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
 
 
 def rank0_engine(config: EngineConfig) -> tuple[DistContext, Engine, PlanChannel | None] | None:

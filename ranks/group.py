@@ -2,9 +2,8 @@
 
 torchrun (or `launch.py --nproc-per-node`, ranks/local_group.py) sets RANK / WORLD_SIZE /
 LOCAL_RANK; without them tapserve runs as one process with no process group at all. The model's collectives use NCCL on CUDA and gloo on CPU; a second
-gloo group carries plans, so CPU and GPU share one code path. A rank waits at most
-`peer_timeout` seconds for a peer: the model's group times its collectives out after that,
-and every wait on the plan group is bounded by it (`wait_for_peers`).
+gloo group carries plans, so CPU and GPU share one code path. Both groups time out after
+`peer_timeout` seconds, which bounds how long a rank waits for a dead peer.
 """
 from __future__ import annotations
 
@@ -18,30 +17,10 @@ import torch.distributed as dist
 
 from model.layers import TPGroup
 from ranks.local_group import STORE_ENV
-from ranks.plan import (TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepKind, StepPlan,
-                        decode_plan)
+from ranks.plan import TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepPlan, decode_plan
 
 # the plan's length, the next message's size (little-endian uint64)
 HEADER_BYTES = TRANSPORT_HEADER_BYTES
-# A receiver posts the next plan's receive before it runs the current plan, so a posted
-# receive lives through the rank's own step (a long CPU prefill can take minutes): the plan
-# group's operations get no practical timeout of their own. The liveness bound is the wait:
-# `wait_for_peers` counts peer_timeout from when a rank starts waiting, as before.
-PLAN_OP_TIMEOUT = timedelta(days=1)
-
-
-class PeerTimeout(RuntimeError):
-    """The other ranks did not take part in a plan-group operation within the peer timeout."""
-
-
-def wait_for_peers(work: Any, timeout: timedelta, what: str) -> None:
-    try:
-        work.wait(timeout)
-    except RuntimeError as e:
-        if "timed out" not in str(e):
-            raise  # a peer that is gone: gloo names the closed connection
-        raise PeerTimeout(f"{what}: the other ranks did not answer within "
-                          f"{timeout.total_seconds():g} s") from e
 
 
 @dataclass
@@ -51,7 +30,6 @@ class DistContext:
     local_rank: int
     tp: TPGroup
     plan_group: Any  # gloo group for plans (None when world_size == 1)
-    peer_timeout: timedelta = timedelta(seconds=30)
 
     @property
     def is_driver(self) -> bool:
@@ -61,8 +39,7 @@ class DistContext:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group, async_op=True)
-        wait_for_peers(work, self.peer_timeout, "start-up (the ranks' KV budgets)")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.plan_group)
         return int(t.item())
 
 
@@ -83,9 +60,9 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
                             init_method=f"file://{store_file}" if store_file else None,
                             rank=rank, world_size=world_size,
                             device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
-    plan_group = dist.new_group(backend="gloo", timeout=PLAN_OP_TIMEOUT)
+    plan_group = dist.new_group(backend="gloo", timeout=timeout)
     tp = TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
-    return DistContext(rank, world_size, local_rank, tp, plan_group, timeout)
+    return DistContext(rank, world_size, local_rank, tp, plan_group)
 
 
 class PlanChannel:
@@ -96,26 +73,16 @@ class PlanChannel:
     some headroom (decode plans grow slowly: a block-table column every block_size steps).
     A plan larger than the agreed size sends its remainder in a second broadcast; the next
     message is then sized to fit it.
-
-    A receiver posts the receive of the next message (asynchronously, into the other of two
-    receive buffers) before it returns the current plan, so rank 0's broadcast never waits
-    for a receiver's decode or step. A stop plan's header names no next message (size 0):
-    nothing stays posted after it. A receiver that leaves otherwise (an error) may have a
-    receive posted and must end its process with os._exit (ranks/worker.py).
     """
 
-    def __init__(self, group: Any, peer_timeout: timedelta = timedelta(seconds=30),
-                 min_message_bytes: int = 16 * 1024, post_ahead: bool = True):
+    def __init__(self, group: Any, min_message_bytes: int = 16 * 1024):
         self.group = group
-        self.timeout = peer_timeout
-        self.post_ahead = post_ahead  # False: post each receive when asked (for comparisons)
         self.min_bytes = min_message_bytes
         self.size = min_message_bytes  # of the next message, agreed by both sides
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
         self.rest = torch.zeros(0, dtype=torch.uint8)
         self._received = [self.rest, self.rest]  # the receive buffers, used in turn
         self._turn = 0
-        self._posted: tuple[torch.Tensor, Any] | None = None  # the next message's receive
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
 
@@ -128,11 +95,11 @@ class PlanChannel:
             n = encoded.nbytes
             body = self._message(max(self.size, HEADER_BYTES + n))
             encoded.write_into(body.numpy()[HEADER_BYTES:])
-        next_size = 0 if plan.kind is StepKind.STOP else self._next_size(n)
+        next_size = self._next_size(n)
         body.numpy()[:HEADER_BYTES].view("<u8")[:] = n, next_size
-        self._broadcast(body[:self.size])
+        dist.broadcast(body[:self.size], src=0, group=self.group)
         if HEADER_BYTES + n > self.size:  # the remainder: the same buffer's next bytes
-            self._broadcast(body[self.size:HEADER_BYTES + n])
+            dist.broadcast(body[self.size:HEADER_BYTES + n], src=0, group=self.group)
         self.size = next_size
 
     def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
@@ -153,31 +120,19 @@ class PlanChannel:
 
     def recv(self) -> StepPlan:
         """The next plan. Its arrays are views of one of two receive buffers used in turn (no
-        copy), and the next message lands in the other one meanwhile, so a plan stays valid
-        until the next recv."""
-        message, work = self._posted or self._post(self.size)
-        wait_for_peers(work, self.timeout, "waiting for rank 0's next plan")
+        copy), so a plan stays valid until the second recv after it."""
+        self._turn ^= 1
+        message = self._receive_buffer(self.size)
+        dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
         n, next_size = (int(v) for v in head[:HEADER_BYTES].view("<u8"))
         k = min(n, self.size - HEADER_BYTES)
-        payload = head[HEADER_BYTES:HEADER_BYTES + n]
-        if n > k:  # the remainder came in a second broadcast
-            rest = self._rest(n - k)
-            self._broadcast(rest)
-            payload = head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes()
         self.size = next_size
-        self._posted = self._post(next_size) if next_size and self.post_ahead else None
-        return decode_plan(payload, copy=n > k)
-
-    def _post(self, size: int) -> tuple[torch.Tensor, Any]:
-        """Post the receive of the next message (size bytes) into the other buffer."""
-        self._turn ^= 1
-        message = self._receive_buffer(size)
-        return message, dist.broadcast(message, src=0, group=self.group, async_op=True)
-
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        work = dist.broadcast(tensor, src=0, group=self.group, async_op=True)
-        wait_for_peers(work, self.timeout, "broadcasting a plan")
+        if n == k:
+            return decode_plan(head[HEADER_BYTES:HEADER_BYTES + n], copy=False)
+        rest = self._rest(n - k)
+        dist.broadcast(rest, src=0, group=self.group)
+        return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
 
     def _next_size(self, n: int) -> int:
         """Keep the agreed size while this plan fits in it and fills more than half of it;
