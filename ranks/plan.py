@@ -4,8 +4,8 @@ Arrays travel as raw bytes (one trailing bin, each array 8-aligned), never as Py
 plan is self-contained: a rank needs nothing from earlier plans but its KV cache. On rank 0 a
 plan is used up within its step: its arrays may be views of the planner's buffers (the block
 tables, or a PlanMessage that the next decode step advances in place), which the next build
-rewrites (copy a plan to keep it). Received plans are views of the channel's receive buffers
-(ranks/group.py: valid until the second receive after them).
+rewrites (copy a plan to keep it). Received plans are views of the channel's receive buffer
+(ranks/group.py: valid until the next receive).
 """
 from __future__ import annotations
 
