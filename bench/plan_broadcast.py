@@ -12,8 +12,8 @@ Scheduling and the advance are the engine's other work, not the plan's: they are
 the timing. Note that the scheduler's pass also records each row's newest token and table
 stamp for the planner (reads the planner used to make itself): their cost is in
 bench/step_overhead.py's "schedule", not here. The bare broadcast has the size of the plan
-halfway through a round. Bare and plan rounds alternate; the best round of each is reported
-(shared machines are noisy), with the best round's phases in microseconds per step: rank 0's
+halfway through a round. Bare and plan rounds alternate; after one warm-up round of each kind
+(counted nowhere) the best round of each is reported (shared machines are noisy), with the best round's phases in microseconds per step: rank 0's
 build and send (encode and broadcast); rank 1's recv (waiting for rank 0, the broadcast and
 the decode) and, of it, the decode. Rank 1 decodes while rank 0 schedules the next step (as
 in the engine, where it decodes while rank 0 prepares its forward), so its decode only counts
@@ -21,9 +21,11 @@ when it is the slower side.
 
 Plans travel on a gloo group of their own through one PlanChannel for the whole run, as in
 the engine. A round's first step is not timed, in any kind of round: in a plan round it is a
-fresh planner's first, general build (the round starts from a new batch), whose buffers the
-engine allocates once at start-up; its build and send are printed as `first_step_us` (the
-slowest over the rounds).
+fresh planner's first, general build (the round starts from a new batch and a new planner),
+which grows the planner's buffers and fills every row's table; its build and send are printed
+as `first_step_us` (the slowest over the rounds). In the engine the planner lives for the
+whole run: its buffers have grown by then, and a general build comes when the batch changes
+(it rewrites the tables of the rows that are new).
 
 A third kind of round, "paced", sends the bare bytes with the engine's work between
 broadcasts (scheduling and the advance, untimed, as in the plan rounds), so that both sides
@@ -119,7 +121,8 @@ def worker(rank: int, port: int, args, results) -> None:
     per_step = {"build": [], "send": []}  # rank 0's best plan round, seconds per step
     bare_steps: list[float] = []  # rank 0's best bare round, seconds per step
     first_steps: list[tuple[float, float]] = []  # each plan round's first build and send
-    for name in ("bare", "paced", "plan") * (args.rounds + 1):  # the first three: a warm-up
+    for r, name in enumerate(("bare", "paced", "plan") * (args.rounds + 1)):
+        warm_up = r < 3  # the first round of each kind counts nowhere
         if name != "bare" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
             # the round's block manager stamps tables anew
@@ -129,7 +132,7 @@ def worker(rank: int, port: int, args, results) -> None:
         dist.barrier()
         for step in range(args.steps + 1):
             if step == 1:  # a round's first step is not timed (see the docstring)
-                if name == "plan" and rank == 0:
+                if name == "plan" and rank == 0 and not warm_up:
                     first_steps.append((steps["build"][0], steps["send"][0]))
                 start = time.perf_counter()
                 spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
@@ -168,16 +171,18 @@ def worker(rank: int, port: int, args, results) -> None:
         dist.barrier()
         # the engine's other work between plans (scheduling, the advance) is not the plan's cost
         elapsed = (time.perf_counter() - start - spent["engine"]) / args.steps * 1e3
+        if warm_up:
+            continue
         if name == "plan" and rank == 0 and elapsed < timings.get("plan", float("inf")):
             per_step = steps
         if name == "bare" and rank == 0 and elapsed < timings.get("bare", float("inf")):
             bare_steps = steps["broadcast"]
-        timings[name] = elapsed if name not in timings else min(timings[name], elapsed)
+        timings[name] = min(timings.get(name, float("inf")), elapsed)
         if name == "plan":
             spent["decode"] = decode_seconds[0]
             for key in ("build", "send") if rank == 0 else ("recv", "decode"):
                 phases[key].append(spent[key] / args.steps * 1e6)
-    results[f"phases_rank{rank}"] = {k: round(min(v[1:]), 1) for k, v in phases.items() if v}
+    results[f"phases_rank{rank}"] = {k: round(min(v), 1) for k, v in phases.items() if v}
     if rank == 0:
         results.update({"batch": args.batch, "context": args.context, "plan_bytes": nbytes,
                         "bare_broadcast_ms": round(timings["bare"], 3),
@@ -191,7 +196,7 @@ def worker(rank: int, port: int, args, results) -> None:
                         "median_ratio": round(statistics.median(map(sum, zip(per_step["build"], per_step["send"])))
                                               / statistics.median(bare_steps), 2),
                         "send_us_quantiles": _quantiles(per_step["send"]),
-                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps[1:])]})
+                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps)]})
     dist.destroy_process_group()
 
 
@@ -229,6 +234,8 @@ def main() -> None:
     p.add_argument("--no-decode", action="store_true",
                    help="rank 1 receives the bytes but does not decode them (for comparison)")
     args = p.parse_args()
+    if args.steps < 2 or args.rounds < 1:
+        p.error("--steps must be at least 2 (quantiles) and --rounds at least 1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

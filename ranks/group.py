@@ -119,10 +119,10 @@ class PlanChannel:
 
     def recv(self) -> StepPlan:
         """The next plan. Its arrays are views of the receive buffer (no copy), so a plan
-        stays valid until the next recv (a step reads its plan's arrays on the host before it
-        returns: a copy to the GPU from pageable memory is staged before copy_ returns). One
-        buffer, not two in turn: on the GPU machine plan rounds ran 9-34 % faster so (three
-        paired runs of bench/plan_broadcast.py)."""
+        stays valid until the next recv: a step reads its plan's arrays on the host before it
+        returns (copies to the GPU come from pageable memory, which CUDA stages before the
+        asynchronous copy returns; a pinned buffer would break this). One buffer, not two in
+        turn: faster on the GPU machine (docs/benchmarks.md, plan broadcast, 8th session)."""
         message = self._receive_buffer(self.size)
         dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
