@@ -120,9 +120,11 @@ class PlanChannel:
     def recv(self) -> StepPlan:
         """The next plan. Its arrays are views of the receive buffer (no copy), so a plan
         stays valid until the next recv: a step reads its plan's arrays on the host before it
-        returns (copies to the GPU come from pageable memory, which CUDA stages before the
-        asynchronous copy returns; a pinned buffer would break this). One buffer, not two in
-        turn: faster on the GPU machine (docs/benchmarks.md, plan broadcast, 8th session)."""
+        returns. Its copies to the GPU come from pageable memory, which the driver stages
+        before the asynchronous copy returns in practice (CUDA documents such copies only as
+        "might be synchronous"; rank 0's in-place plan advance relies on the same; a pinned
+        buffer would break it). One buffer, not two in turn: faster on the GPU machine
+        (docs/benchmarks.md, plan broadcast, 8th session)."""
         message = self._receive_buffer(self.size)
         dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
