@@ -13,11 +13,12 @@ the timing. Note that the scheduler's pass also records each row's newest token 
 stamp for the planner (reads the planner used to make itself): their cost is in
 bench/step_overhead.py's "schedule", not here. The bare broadcast has the size of the plan
 halfway through a round. Bare and plan rounds alternate; after one warm-up round of each kind
-(counted nowhere) the best round of each is reported (shared machines are noisy), with the best round's phases in microseconds per step: rank 0's
-build and send (encode and broadcast); rank 1's recv (waiting for rank 0, the broadcast and
-the decode) and, of it, the decode. Rank 1 decodes while rank 0 schedules the next step (as
-in the engine, where it decodes while rank 0 prepares its forward), so its decode only counts
-when it is the slower side.
+(counted nowhere) the best round of each is reported (shared machines are noisy), with the
+best round's phases in microseconds per step: rank 0's build and send (encode and
+broadcast); rank 1's recv (waiting for rank 0, the broadcast and the decode) and, of it, the
+decode. Rank 1 decodes while rank 0 schedules the next step (as in the engine, where it
+decodes while rank 0 prepares its forward), so its decode only counts when it is the slower
+side.
 
 Plans travel on a gloo group of their own through one PlanChannel for the whole run, as in
 the engine. A round's first step is not timed, in any kind of round: in a plan round it is a
@@ -193,11 +194,16 @@ def worker(rank: int, port: int, args, results) -> None:
                         "median_step_us": {k: round(statistics.median(v) * 1e6, 1)
                                            for k, v in per_step.items() if v},
                         "median_bare_us": round(statistics.median(bare_steps) * 1e6, 1),
-                        "median_ratio": round(statistics.median(map(sum, zip(per_step["build"], per_step["send"])))
+                        "median_ratio": round(_median_plan_step(per_step)
                                               / statistics.median(bare_steps), 2),
                         "send_us_quantiles": _quantiles(per_step["send"]),
                         "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps)]})
     dist.destroy_process_group()
+
+
+def _median_plan_step(per_step: dict[str, list[float]]) -> float:
+    """The median over a round's steps of build + send."""
+    return statistics.median(b + s for b, s in zip(per_step["build"], per_step["send"]))
 
 
 def _quantiles(seconds: list[float]) -> dict[str, float]:

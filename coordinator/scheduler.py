@@ -219,7 +219,7 @@ class Scheduler:
         if grow.size > self.blocks.num_free_blocks:
             return None
         stamps, copies, new_blocks = list(steady.stamps), [], []
-        for i in grow.tolist():  # a growing row writes a new block: never a copy for a single request
+        for i in grow.tolist():  # a new block to write: never a copy for a single request
             seq = seqs[i]
             copy = self.blocks.append_slot(seq)
             if copy is not None:

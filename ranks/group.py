@@ -118,13 +118,11 @@ class PlanChannel:
         return body, n
 
     def recv(self) -> StepPlan:
-        """The next plan. Its arrays are views of the receive buffer (no copy), so a plan
-        stays valid until the next recv: a step reads its plan's arrays on the host before it
-        returns. Its copies to the GPU come from pageable memory, which the driver stages
-        before the asynchronous copy returns in practice (CUDA documents such copies only as
-        "might be synchronous"; rank 0's in-place plan advance relies on the same; a pinned
-        buffer would break it). One buffer, not two in turn: faster on the GPU machine
-        (docs/benchmarks.md, plan broadcast, 8th session)."""
+        """The next plan, its arrays views of the one receive buffer (no copy): valid until
+        the next recv. A step reads its plan on the host before it returns; its copies to the
+        GPU come from pageable memory, which the driver stages before the async copy returns
+        in practice (as for rank 0's in-place advance; a pinned buffer would break this).
+        One buffer beat two used in turn on the GPU machine (docs/benchmarks.md)."""
         message = self._receive_buffer(self.size)
         dist.broadcast(message, src=0, group=self.group)
         head = message.numpy()
