@@ -144,8 +144,7 @@ class PlanChannel:
         return max(self.min_bytes, -(-(need + need // 16) // 4096) * 4096)
 
     def _receive_buffer(self, size: int) -> torch.Tensor:
-        if self._received.numel() < size:
-            self._received = torch.zeros(1 << (size - 1).bit_length(), dtype=torch.uint8)
+        self._received = _at_least(self._received, size)
         return self._received[:size]
 
     def _message(self, size: int) -> torch.Tensor:
@@ -154,9 +153,15 @@ class PlanChannel:
         return self.buffer[:size]
 
     def _rest(self, n: int) -> torch.Tensor:
-        if self.rest.numel() < n:
-            self.rest = torch.zeros(1 << (n - 1).bit_length(), dtype=torch.uint8)
+        self.rest = _at_least(self.rest, n)
         return self.rest[:n]
+
+
+def _at_least(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """buffer, or a new one of the next power of two >= n bytes when buffer is smaller."""
+    if buffer.numel() >= n:
+        return buffer
+    return torch.zeros(1 << (n - 1).bit_length(), dtype=torch.uint8)
 
 
 def shutdown_distributed() -> None:
