@@ -7,8 +7,7 @@ so they go through the same loading, weight lookup and dry run as a deployment's
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from coordinator.custom_outputs import RequestError, decode_value
 from coordinator.offline import LLM
 from coordinator.sampling_params import SamplingParams
 from model.custom_output import CustomOutputHandler
+from tests.engine_helpers import capture_plans
 
 HEAD_W, HEAD_B = "test_head.weight", "test_head.bias"
 REWARD_W, REWARD_B = "reward_head.weight", "reward_head.bias"
@@ -278,15 +278,7 @@ def run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, dict | No
     number of handler calls during it), and check that no KV block leaked."""
     engine = llm.engine
     result = run_ or Run()
-    plans = []
-    execute = engine.runner.execute
-
-    def recording_execute(plan, *args, **kwargs):
-        plans.append(copy.deepcopy(replace(plan, wire=None)))  # a plan's arrays live until the next build
-        return execute(plan, *args, **kwargs)
-
-    engine.runner.execute = recording_execute
-    try:
+    with capture_plans(llm) as plans:
         for rid, ids, params, cop in requests:
             try:
                 engine.add_request(rid, ids, params, cop)
@@ -304,8 +296,6 @@ def run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams, dict | No
                 result.steps.append((plans[-1], after - before))
         else:
             raise AssertionError("engine did not finish")
-    finally:
-        del engine.runner.execute
     assert_no_leaks(llm)
     return result
 
