@@ -64,6 +64,7 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int,
     elapsed = (time.perf_counter() - start) / steps
     if len(engine.scheduler.running) != batch or len(lengths) != batch:
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
+    replay_graph(llm, batch, steps)
     if profile_steps:
         profile_decode(engine, profile_steps)
     for rid in list(engine.requests):
@@ -90,6 +91,24 @@ def profile_decode(engine, steps: int) -> None:
                       "gpu_kernel_ms_per_step": round(gpu, 3)}))
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]:
         print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
+
+
+def replay_graph(llm: LLM, batch: int, replays: int) -> None:
+    """The batch's decode graph replayed back to back with no host work between: the GPU's
+    time for the model's forward alone (the step adds the LM head, sampling and the host's
+    turn between steps). The replays rewrite the last step's KV slots with the same values."""
+    graphs = llm.runner.graphs
+    if graphs is None:
+        return
+    graph = graphs.graphs[graphs.buckets[graphs.bucket_for(batch)]]
+    graph.replay()
+    sync()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    sync()
+    print(json.dumps({"batch": batch, "graph_replay_ms":
+                      round((time.perf_counter() - start) / replays * 1e3, 3)}))
 
 
 def main() -> None:

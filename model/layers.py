@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_checked(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -142,7 +143,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -178,7 +179,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharing the vocab split; full logits are gathered on rank 0 only."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_to_rank0(F.linear(hidden, self.weight))
+        logits = self.tp.gather_to_rank0(linear(hidden, self.weight))
         return None if logits is None else logits[..., : self.vocab_size]
 
 
@@ -191,12 +192,29 @@ def _find_triton() -> bool:
 
 HAS_TRITON = _find_triton()  # constant after import: Triton hot-path kernels for CUDA tensors
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# rows up to which 16-bit CUDA linears take the Triton GEMV: one (batch-1 decode); at 2 to 8
+# rows the kernel measured slower than cuBLAS (docs/benchmarks.md). TAPSERVE_GEMV_MAX_ROWS=0
+# turns it off for A/B benchmarks. Read once at import: a constant, like HAS_TRITON.
+GEMV_MAX_ROWS = min(8, int(os.environ.get("TAPSERVE_GEMV_MAX_ROWS", "1")))
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton hot-path kernels handle x (CUDA, a supported dtype); CPU tensors
     always take the plain torch code."""
     return x.is_cuda and HAS_TRITON and x.dtype in _KERNEL_DTYPES
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on CUDA, one row (batch-1 decode) of a 16-bit model times a weight that
+    gemv_config picks takes the Triton GEMV (model/kernels/gemv.py), which streams those
+    weights faster than cuBLAS's choice for them."""
+    if (x.is_cuda and HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]):
+        from model.kernels.gemv import gemv, gemv_config
+        config = gemv_config(*weight.shape, x.numel() // x.shape[-1])
+        if config is not None:
+            return gemv(x, weight, bias, config)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):

@@ -60,25 +60,31 @@ def _teacher_forced_top1(model_fn, seqs):
     return [model_fn(torch.tensor([s], device="cuda")).argmax(-1)[0] for s in seqs]
 
 
-def test_bfloat16_agreement_with_transformers_and_graphs(tmp_path):
-    """Generate 48 tokens per prompt with our bf16 engine (graphs) and eager; score every
-    generated position teacher-forced with transformers bf16 and fp32; count agreement where the
-    fp32 top-2 margin exceeds 0.1."""
-    from transformers import AutoModelForCausalLM
-    path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
-    prompts = _prompts(512)
+def _bf16_runs(path: str, prompts, eager_modes, one_at_a_time: bool = False) -> dict:
+    """Each prompt plus its 48 greedy tokens from our bf16 engine, per eager mode; one prompt
+    at a time decodes at batch 1 (the one-row GEMV of model/kernels/gemv.py)."""
     params = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True)
     runs = {}
-    for eager in (False, True):
+    for eager in eager_modes:
         llm = LLM(EngineConfig(model=path, dtype="bfloat16", device="cuda", enforce_eager=eager,
                                max_num_seqs=16, max_model_len=256))
-        runs[eager] = [p + r.outputs[0].token_ids for p, r in zip(prompts, llm.generate(prompts, params))]
+        groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+        outs = [r for g in groups for r in llm.generate(g, params)]
+        runs[eager] = [p + r.outputs[0].token_ids for p, r in zip(prompts, outs)]
         del llm
+    return runs
+
+
+def _agreement(path: str, prompts, seqs, seqs_eager=None) -> tuple[float, int, float, int]:
+    """Teacher-forced top-1 agreement of transformers bf16 with our generated tokens, and of
+    our eager tokens with our graph tokens (same context only), over the positions where the
+    fp32 reference's top-2 margin exceeds 0.1: (hf rate, positions, graph rate, positions)."""
+    from transformers import AutoModelForCausalLM
     ref32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     ref16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     agree_hf = total = agree_graph = total_graph = 0
     with torch.no_grad():
-        for p, seq, seq_eager in zip(prompts, runs[False], runs[True]):
+        for i, (p, seq) in enumerate(zip(prompts, seqs)):
             ids = torch.tensor([seq], device="cuda")
             l32 = ref32(ids).logits[0].float()
             l16 = ref16(ids).logits[0].float()
@@ -88,9 +94,31 @@ def test_bfloat16_agreement_with_transformers_and_graphs(tmp_path):
                     continue
                 total += 1
                 agree_hf += int(l16[pos].argmax()) == seq[pos + 1]
-                if seq[:pos + 1] == seq_eager[:pos + 1]:  # same context: graph vs eager comparable
+                if seqs_eager and seq[:pos + 1] == seqs_eager[i][:pos + 1]:  # same context
                     total_graph += 1
-                    agree_graph += seq[pos + 1] == seq_eager[pos + 1]
+                    agree_graph += seq[pos + 1] == seqs_eager[i][pos + 1]
+    return agree_hf / max(total, 1), total, agree_graph / max(total_graph, 1), total_graph
+
+
+def test_bfloat16_agreement_with_transformers_and_graphs(tmp_path):
+    """Generate 48 tokens per prompt with our bf16 engine (graphs) and eager; score every
+    generated position teacher-forced with transformers bf16 and fp32; count agreement where the
+    fp32 top-2 margin exceeds 0.1."""
+    path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
+    prompts = _prompts(512)
+    runs = _bf16_runs(path, prompts, (False, True))
+    hf, total, graph, total_graph = _agreement(path, prompts, runs[False], runs[True])
     assert total > 100 and total_graph > 50
-    assert agree_hf / total >= 0.99, (agree_hf, total)
-    assert agree_graph / total_graph >= 0.99, (agree_graph, total_graph)
+    assert hf >= 0.99, (hf, total)
+    assert graph >= 0.99, (graph, total_graph)
+
+
+def test_bfloat16_batch1_agreement_with_transformers(tmp_path):
+    """The same agreement with every prompt decoded alone in the batch-1 graph, where the
+    q/k/v, o and down projections run on the project's GEMV under PDL."""
+    path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
+    prompts = _prompts(512)
+    seqs = _bf16_runs(path, prompts, (False,), one_at_a_time=True)[False]
+    hf, total, _, _ = _agreement(path, prompts, seqs)
+    assert total > 100, total
+    assert hf >= 0.99, (hf, total)

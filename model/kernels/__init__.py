@@ -14,6 +14,7 @@ Exports (loaded lazily, so `import model.kernels` works without Triton installed
   apply_rotary(q, k, cos, sin, positions) -> (q_rot, k_rot)          (rotary.py, new tensors)
   qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions) -> (q_rot, k_rot)
   silu_and_mul(x, out=None) -> silu(x[..., :I]) * x[..., I:]         (activation.py)
+  gemv(x, weight, bias=None, config) -> x @ weight.T (+ bias), <= 8 rows  (gemv.py)
 
 The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is first imported).
@@ -39,6 +40,7 @@ _LAZY = {
     "apply_rotary": "rotary",
     "qk_norm_rotary": "rotary",
     "silu_and_mul": "activation",
+    "gemv": "gemv",
 }
 
 __all__ = [*_LAZY, "triton_available"]

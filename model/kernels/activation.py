@@ -11,11 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import pdl_options, pdl_prologue
+
 _BLOCK = 1024  # columns per program (a fixed launch config: no autotuning at start-up)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, sx, so, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, sx, so, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
@@ -47,7 +51,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         block = min(_BLOCK, triton.next_power_of_2(n_inter))
         grid = (rows, triton.cdiv(n_inter, block))
         _silu_and_mul_kernel[grid](x2, o2, n_inter, x2.stride(0), o2.stride(0), BLOCK=block,
-                                   num_warps=4 if block >= 1024 else 2 if block >= 256 else 1)
+                                   num_warps=4 if block >= 1024 else 2 if block >= 256 else 1,
+                                   **pdl_options(x2))
     if not out.is_contiguous():  # o2 was a contiguous stand-in
         out.copy_(o2.view(out.shape))
     return out

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import pdl_options, pdl_prologue
 from model.kernels.utils import LOG2E, dot_precision
 
 DEFAULT_NUM_KV_SPLITS = 16
@@ -46,8 +47,9 @@ def _decode_split_kernel(
     group_size, head_dim,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,8 +116,9 @@ def _decode_merge_kernel(
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
     head_dim,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -202,13 +205,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_kv_splits, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=2, **pdl_options(q),
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         *part_out.stride(), *part_lse.stride(), *out.stride(),
         head_dim,
         NUM_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
-        num_warps=1 if num_kv_splits * block_d <= 1024 else 2,
+        num_warps=1 if num_kv_splits * block_d <= 1024 else 2, **pdl_options(q),
     )
     return out

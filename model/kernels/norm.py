@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _rms_norm_kernel(
@@ -28,8 +30,9 @@ def _rms_norm_kernel(
     n_rows, inner, n_cols,
     sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
     eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -114,7 +117,7 @@ def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
         sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
         float(eps),
         HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_options(xs),
     )
     if out.data_ptr() != os_.data_ptr():  # `out` needed a contiguous stand-in
         out.copy_(os_)

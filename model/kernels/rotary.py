@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _rotate_heads(src, dst, s_h, d_h, n_heads, cos1, sin1, cos2, sin2, w1, w2, eps,
@@ -60,8 +62,9 @@ def _rotary_kernel(
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cos, s_sin,
     n_q_heads, n_k_heads, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF)
@@ -126,7 +129,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         cos.stride(0), sin.stride(0),
         n_q, n_k, float(eps),
         HEAD_DIM=d, HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, NORM=norm,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_options(q),
     )
     return q_out, k_out
 

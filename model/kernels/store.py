@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.pdl import pdl_options, pdl_prologue
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -24,8 +26,9 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     num_kv_heads, head_dim,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     valid = slot >= 0
@@ -73,5 +76,5 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, head_dim,
         PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 2,
+        num_warps=4 if block_h * block_d >= 1024 else 2, **pdl_options(k),
     )

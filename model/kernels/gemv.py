@@ -1,0 +1,108 @@
+"""Triton GEMV for decode's few-row linears: y = x W^T (+ b), x [M, K], W [N, K] (nn.Linear's
+layout), M small (a decode batch bucket: 1 to MAX_ROWS).
+
+A decode step at a small batch only streams weights: each byte of W is read once and used for
+M multiply-adds. cuBLAS picks GEMM tiles for these shapes that left the 4096-wide outputs
+(q/k/v, o, down) at ~72 % of the H200's bandwidth (docs/benchmarks.md). Here each program
+owns BLOCK_N rows of W and walks K in BLOCK_K steps, keeping a [BLOCK_M, BLOCK_N, BLOCK_K]
+fp32 accumulator in registers and reducing over K once at the end, so the loop is loads and
+FMAs only. W is loaded with evict_first (it is used once per step); x is small and cached.
+Launch configs are fixed per weight shape from measurements (no autotuning at start-up).
+The grid depends only on N: CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+
+MAX_ROWS = 8  # the largest M this kernel takes; larger batches stay on cuBLAS
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+NARROW_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
+DEFAULT_CONFIG = NARROW_CONFIG
+WIDE_ROWS = 12288  # weights with at least this many rows stay on cuBLAS (gemv_config)
+
+
+@triton.jit
+def _load_tile(ptrs, k, K, row_ok, cols, EVEN_K: tl.constexpr, STREAM: tl.constexpr):
+    """Columns [k, k + BLOCK_K) of the rows at ptrs (masked rows and columns read as 0)."""
+    mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & ((cols + k) < K)[None, :]
+    if STREAM:  # the weight: read once per step, not worth keeping in L2
+        return tl.load(ptrs + k, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs + k, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    n_ok = rows_n < N
+    m_ok = rows_m < M
+    w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * K + cols[None, :]
+    x_ptrs = x_ptr + rows_m[:, None] * stride_x + cols[None, :]
+    # The weights are constant: under PDL the first tile is read while the previous kernel
+    # still runs; x (that kernel's output) only after the wait (model/kernels/pdl.py).
+    if PDL:
+        gdc_launch_dependents()
+    w = _load_tile(w_ptrs, 0, K, n_ok, cols, EVEN_K, True)
+    if PDL:
+        gdc_wait()
+    x = _load_tile(x_ptrs, 0, K, m_ok, cols, EVEN_K, False)
+    acc = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
+        w = _load_tile(w_ptrs, k, K, n_ok, cols, EVEN_K, True)
+        x = _load_tile(x_ptrs, k, K, m_ok, cols, EVEN_K, False)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rows_m[:, None] * stride_y + rows_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed, plus bias:
+    [..., N] in x's dtype, accumulated in fp32."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {m}")
+    if weight.shape[1] != k or weight.stride(1) != 1 or weight.stride(0) != k:
+        raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous [N, {k}] matrix")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        block_k = min(config.block_k, triton.next_power_of_2(k))
+        _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+            x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
+            y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
+    return y.view(*x.shape[:-1], n)
+
+
+def gemv_config(n: int, k: int, rows: int) -> GemvConfig | None:
+    """The launch config for a weight [n, k] at `rows` rows, or None where cuBLAS is as fast
+    (`bench/gemv.py --sweep` at one row on the H200, docs/benchmarks.md): it streams wide
+    matrices (gate/up, the LM head: n >= 12288) at ~4.2 TB/s, as fast as any config here."""
+    return None if n >= WIDE_ROWS else NARROW_CONFIG

@@ -1,0 +1,144 @@
+"""The Triton GEMV (model/kernels/gemv.py) against F.linear.
+
+  * CPU under the Triton interpreter (one subprocess, tests/interpreter.py): small shapes,
+    ragged K and N, bias, 1 to 8 rows, every dtype the kernel takes.
+  * CUDA (`gpu`, skipped without it): the model's shapes with the configs the layers use, the
+    `linear` dispatch of model/layers.py (few rows -> GEMV, more rows or fp32 -> cuBLAS), and a
+    CUDA-graph capture + replay.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.interpreter import run_checks
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+
+def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool = False,
+               config=None, seed: int = 0) -> None:
+    from model.kernels.gemv import DEFAULT_CONFIG, gemv, gemv_config
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device=device, dtype=dtype)
+    b = torch.randn(n, generator=gen).to(device=device, dtype=dtype) if bias else None
+    config = config or gemv_config(n, k, rows) or DEFAULT_CONFIG
+    out = gemv(x, w, b, config)
+    # the reference in fp32 from the same rounded inputs; the kernel accumulates in fp32 and
+    # rounds once, so the error is the output's own rounding plus summation order
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert out.shape == (rows, n) and out.dtype == dtype
+    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    if device == "cpu" and dtype == torch.bfloat16:
+        rtol = 4e-2  # the interpreter rounds fp32 -> bf16 by truncation
+    torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=rtol * 2,
+                               msg=f"gemv rows={rows} n={n} k={k} {dtype} {config}")
+    x3 = x.view(rows, 1, k)
+    assert gemv(x3, w, b, config).shape == (rows, 1, n)
+
+
+# ---------------------------------------------------------------- CPU, Triton interpreter
+
+
+def _cpu_shapes():
+    from model.kernels.gemv import GemvConfig
+    small = GemvConfig(block_n=8, block_k=64, num_warps=4)
+    for i, dtype in enumerate([torch.float32, torch.float16, torch.bfloat16]):
+        check_gemv(1, 64, 256, dtype, "cpu", config=small, seed=i)          # even K
+        check_gemv(3, 50, 200, dtype, "cpu", bias=True, config=small, seed=i)  # ragged N and K
+        check_gemv(8, 24, 64, dtype, "cpu", config=small, seed=i)           # MAX_ROWS
+        check_gemv(5, 16, 100, dtype, "cpu", config=GemvConfig(4, 128, 2), seed=i)  # K < block
+
+
+def _cpu_refusals():
+    from model.kernels.gemv import MAX_ROWS, gemv
+    w = torch.randn(16, 32)
+    for bad_x, bad_w in [(torch.randn(MAX_ROWS + 1, 32), w), (torch.randn(1, 32), w.t()),
+                         (torch.randn(1, 31), w)]:
+        with pytest.raises(ValueError):
+            gemv(bad_x, bad_w)
+
+
+CPU_CHECKS = {"shapes": _cpu_shapes, "refusals": _cpu_refusals}
+
+
+@pytest.fixture(scope="module")
+def cpu_results() -> dict[str, str]:
+    return run_checks("tests.test_kernels_gemv")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(CPU_CHECKS))
+def test_gemv_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
+    assert cpu_results[name] == "", cpu_results[name]
+
+
+def test_linear_on_cpu_is_torch() -> None:
+    """CPU tensors never take the kernel: `linear` is F.linear there, bit for bit."""
+    from model.layers import linear
+    x, w, b = torch.randn(1, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+@needs_triton
+def test_gemv_config_keeps_wide_weights_on_cublas() -> None:
+    from model.kernels.gemv import WIDE_ROWS, gemv_config
+    assert gemv_config(WIDE_ROWS, 4096, 1) is None and gemv_config(151936, 4096, 1) is None
+    assert gemv_config(WIDE_ROWS - 1, 4096, 1) is not None
+
+
+@needs_triton
+def test_pdl_is_off_for_cpu_tensors() -> None:
+    """The interpreter has no grid dependency control: CPU launches never ask for PDL."""
+    from model.kernels.pdl import pdl_options
+    assert pdl_options(torch.zeros(1)) == {"PDL": False, "launch_pdl": False}
+
+
+# ---------------------------------------------------------------- CUDA
+
+# (N, K) of qwen3-8b's linears at TP 1 and 2, qwen3-0.6b's, and a small odd one
+MODEL_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),
+                (3072, 4096), (4096, 2048), (4096, 6144), (4096, 1024), (1024, 2048), (200, 72)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", MODEL_SHAPES)
+def test_gemv_model_shapes_cuda(n: int, k: int) -> None:
+    for rows in (1, 2, 3, 4, 8):
+        check_gemv(rows, n, k, torch.bfloat16, "cuda", bias=rows == 3, seed=rows)
+    check_gemv(2, n, k, torch.float16, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_linear_dispatch_and_graph_cuda() -> None:
+    """Rows up to GEMV_MAX_ROWS of a 16-bit model take the GEMV (it differs from cuBLAS in
+    summation order only); more rows and fp32 take cuBLAS exactly; a captured GEMV replays
+    with new inputs."""
+    from model.layers import GEMV_MAX_ROWS, linear
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    many = torch.randn(GEMV_MAX_ROWS + 1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear(many, w), F.linear(many, w))
+    w32, x32 = w.float(), many[:1].float()
+    assert torch.equal(linear(x32, w32), F.linear(x32, w32))
+    rows = max(1, GEMV_MAX_ROWS)
+    x = torch.zeros(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear(x, w)
+    x.copy_(many[:rows])
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float(), F.linear(many[:rows].float(), w.float()),
+                               rtol=1.6e-2, atol=3e-2)
+    if GEMV_MAX_ROWS:  # the kernel ran, not cuBLAS: the results differ somewhere
+        assert not torch.equal(y, F.linear(many[:rows], w))
