@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from model.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv, gemv_config  # noqa: E402
+from model.layers import GEMV_MAX_ROWS  # noqa: E402
 
 L2_FLUSH_BYTES = 512 << 20
 
@@ -99,7 +100,7 @@ def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -
         row = {"linear": name, "n": n, "k": k, "rows": m, "cublas_tbs": nbytes / cublas / 1e12,
                "gemv_tbs": nbytes / best_s / 1e12, "cublas_us": cublas * 1e6,
                "gemv_us": best_s * 1e6, "config": vars(best),
-               "layers_use": "gemv" if gemv_config(n, k, m) else "cublas"}
+               "layers_use": "gemv" if m <= GEMV_MAX_ROWS and gemv_config(n, k, m) else "cublas"}
         print(json.dumps(row), flush=True)
         results.append(row)
     del weights

@@ -208,10 +208,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear; on CUDA, one row (batch-1 decode) of a 16-bit model times a weight that
     gemv_config picks takes the Triton GEMV (model/kernels/gemv.py), which streams those
     weights faster than cuBLAS's choice for them."""
+    k = x.shape[-1]
     if (x.is_cuda and HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]):
+            and weight.dtype == x.dtype and weight.is_contiguous()
+            and 0 < x.numel() <= GEMV_MAX_ROWS * k):
         from model.kernels.gemv import gemv, gemv_config
-        config = gemv_config(*weight.shape, x.numel() // x.shape[-1])
+        config = gemv_config(weight.shape[0], k, x.numel() // k)
         if config is not None:
             return gemv(x, weight, bias, config)
     return F.linear(x, weight, bias)

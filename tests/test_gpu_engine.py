@@ -116,6 +116,11 @@ def test_bfloat16_agreement_with_transformers_and_graphs(tmp_path):
 def test_bfloat16_batch1_agreement_with_transformers(tmp_path):
     """The same agreement with every prompt decoded alone in the batch-1 graph, where the
     q/k/v, o and down projections run on the project's GEMV under PDL."""
+    from model.kernels.pdl import use_pdl
+    from model.layers import GEMV_MAX_ROWS
+    assert GEMV_MAX_ROWS >= 1, "run without TAPSERVE_GEMV_MAX_ROWS=0: this tests the GEMV"
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert use_pdl(torch.zeros(1, device="cuda")), "run without TAPSERVE_PDL=0"
     path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
     prompts = _prompts(512)
     seqs = _bf16_runs(path, prompts, (False,), one_at_a_time=True)[False]

@@ -9,10 +9,18 @@ after its wait, so the chain stays transitive: no kernel reads what an earlier o
 finished writing. Kernels of other libraries in between (cuBLAS, torch, NCCL) launch as
 usual.
 
-TAPSERVE_PDL=0 turns it off (A/B benchmarks); CPU tensors (the interpreter) never use it.
+Two rules keep this safe, and every kernel launched through pdl_options must follow them:
+  * pdl_prologue (or, in the GEMV, gdc_wait) comes before any read of another kernel's
+    output and before any write; no program returns before it;
+  * what a kernel reads before its wait is constant while serving (the weights: nothing on
+    the GPU writes them after loading).
+
+TAPSERVE_PDL=0 turns it off (A/B benchmarks; read once, at import); CPU tensors (the
+interpreter) and GPUs before Hopper never use it.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,9 +43,16 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+PDL_ENABLED = HAS_GDC and os.environ.get("TAPSERVE_PDL", "1") != "0"  # a constant
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def use_pdl(t: torch.Tensor) -> bool:
-    return (HAS_GDC and t.is_cuda and os.environ.get("TAPSERVE_PDL", "1") != "0"
-            and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    return PDL_ENABLED and t.is_cuda and _device_has_pdl(t.device.index or 0)
 
 
 def pdl_options(t: torch.Tensor) -> dict:
