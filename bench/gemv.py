@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,14 +64,10 @@ def configs_to_sweep(rows: int) -> list[GemvConfig]:
     out = []
     for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024),
                                                    (2, 4, 8), (1, 3)):
-        per_thread = triton_pow2(rows) * bn * bk // (32 * warps)  # fp32 accumulator registers
+        per_thread = triton.next_power_of_2(rows) * bn * bk // (32 * warps)  # fp32 accumulator
         if 8 <= per_thread <= 128:
             out.append(GemvConfig(bn, bk, warps, stages))
     return out
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -> list[dict]:
@@ -83,8 +80,11 @@ def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -
         ref = F.linear(x, weights[0])
         cublas = time_per_call(lambda w: F.linear(x, w), weights)
         if sweep:
-            candidates = configs_to_sweep(1) if ranked is None else [
-                c for c in ranked[:top] if c in configs_to_sweep(m)] or [DEFAULT_CONFIG]
+            if ranked is None:
+                candidates = configs_to_sweep(1)
+            else:
+                fitting = configs_to_sweep(m)
+                candidates = [c for c in ranked[:top] if c in fitting] or [DEFAULT_CONFIG]
         else:  # the layers' choice; where that is cuBLAS, the default config for comparison
             candidates = [gemv_config(n, k, m) or DEFAULT_CONFIG]
         timed = []

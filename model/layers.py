@@ -209,7 +209,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     gemv_config picks takes the Triton GEMV (model/kernels/gemv.py), which streams those
     weights faster than cuBLAS's choice for them."""
     k = x.shape[-1]
-    if (x.is_cuda and HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16)
+    if (use_triton(x) and x.dtype is not torch.float32
             and weight.dtype == x.dtype and weight.is_contiguous()
             and 0 < x.numel() <= GEMV_MAX_ROWS * k):
         from model.kernels.gemv import gemv, gemv_config

@@ -31,8 +31,7 @@ class GemvConfig:
     num_stages: int = 1
 
 
-NARROW_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
-DEFAULT_CONFIG = NARROW_CONFIG
+DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
 WIDE_ROWS = 12288  # weights with at least this many rows stay on cuBLAS (gemv_config)
 
 
@@ -110,4 +109,4 @@ def gemv_config(n: int, k: int, rows: int) -> GemvConfig | None:
     other two); weights of WIDE_ROWS rows or more (gate/up, the LM head) stay on cuBLAS, which
     streams them at 3.8-4.4 TB/s: on gate/up it beat the GEMV on four of five pairs, on the LM
     head the GEMV was at most 4 % faster."""
-    return None if n >= WIDE_ROWS else NARROW_CONFIG
+    return None if n >= WIDE_ROWS else DEFAULT_CONFIG
