@@ -121,19 +121,23 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing each batch, profile this many steps (GPU kernel time vs wall)")
+    p.add_argument("--max-model-len", type=int,
+                   help="the engine's context limit (it sets the decode KV split count); "
+                        "default: just what the run needs")
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
     prefill_steps = -(-max(batches) * args.context // budget)
+    run_len = args.context + prefill_steps + args.steps + args.profile_steps + 64
     llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
                            max_num_seqs=max(batches), max_num_batched_tokens=budget,
-                           max_model_len=args.context + prefill_steps + args.steps + args.profile_steps + 64,
+                           max_model_len=max(run_len, args.max_model_len or 0),
                            enforce_eager=args.enforce_eager, enable_prefix_caching=False))
     wbytes = weight_bytes(llm)
     kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
     rows = []
     for b in batches:
-        need = b * -(-llm.engine.options.max_model_len // llm.runner.cfg.block_size)
+        need = b * -(-run_len // llm.runner.cfg.block_size)
         if need > llm.runner.num_blocks:
             print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
             break

@@ -7,7 +7,7 @@ t % block_size; its flat slot is block * block_size + offset. A slot of -1 write
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ class AttentionMetadata:
     # host copies for the reference backend, which loops over sequences
     query_start_loc_host: list[int] | None = None
     context_lens_host: list[int] | None = None
+    # what a backend derives from this step's metadata once and reuses in every layer (the
+    # Triton backend's extend work list), filled on first use
+    backend_state: dict = field(default_factory=dict)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -105,9 +105,34 @@ def check_extend(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, in
                                            q_stride_pad=8 if strided else 0)
     scale = head_dim ** -0.5
     out = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
-                           meta.block_tables, meta.max_query_len, scale)
+                           meta.block_tables, scale)
     _check(out, _reference(q, k_cache, v_cache, meta, scale), dtype,
            f"extend prefix={prefix_lens} q={q_lens} shape={shape} {dtype}")
+
+
+def check_extend_subset(device: str) -> None:
+    """A work list over some sequences computes exactly their rows and leaves the others'."""
+    import numpy as np
+
+    from model.kernels import extend_attention
+    from model.kernels.extend import extend_config, extend_work
+    q_lens, prefix_lens = [3, 1, 40, 1, 17], [5, 30, 0, 7, 16]
+    ctx_lens = [p + ql for p, ql in zip(prefix_lens, q_lens)]
+    q, k_cache, v_cache, meta = _make_case(ctx_lens, q_lens, 2, 2, 64, 16, torch.float32, device)
+    block_m = extend_config(4, 64)[0]
+    chosen = np.array([0, 2, 4])
+    work = torch.from_numpy(extend_work(np.array(q_lens), block_m, chosen)).to(device)
+    out = torch.full_like(q, 7.0)
+    extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
+                     meta.block_tables, 0.125, out=out, work=work)
+    ref = _reference(q, k_cache, v_cache, meta, 0.125)
+    starts = meta.query_start_loc_host
+    for i in range(len(q_lens)):
+        rows = slice(starts[i], starts[i + 1])
+        if i in chosen:
+            _check(out[rows], ref[rows], torch.float32, f"extend subset, sequence {i}")
+        else:
+            assert torch.equal(out[rows], torch.full_like(out[rows], 7.0)), f"sequence {i} written"
 
 
 def check_store(num_tokens: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
@@ -161,6 +186,7 @@ def _cpu_extend() -> None:
     check_extend([16, 0, 3], [16, 33, 1], (2, 4, 128, 32), torch.float32, "cpu", seed=1,
                  strided=True)
     check_extend([0, 47], [70, 2], (1, 8, 64, 16), torch.float16, "cpu", seed=2)
+    check_extend_subset("cpu")
 
 
 def _cpu_triton_available() -> None:
@@ -208,6 +234,7 @@ def test_decode_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Non
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=16)
     check_decode(ctx[::-1][:6], shape, dtype, "cuda", num_kv_splits=5, seed=1, strided=True)
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=64, seed=2)  # a small batch's count
+    check_decode(ctx, shape, dtype, "cuda", num_kv_splits=2, seed=3)  # a large batch's count
 
 
 @pytest.mark.gpu
@@ -220,6 +247,34 @@ def test_extend_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Non
     q_lens = [1, 17, 300, 16, 64, 1, 129, 1000, 2048, 1192]
     check_extend(prefix, q_lens, shape, dtype, "cuda")
     check_extend([5, 0], [3, 1], shape, dtype, "cuda", seed=1, strided=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+def test_extend_work_subset_gpu() -> None:
+    check_extend_subset("cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backend_mixed_step_splits_one_row_sequences(dtype: torch.dtype) -> None:
+    """A mixed step through the Triton backend: one-row sequences (decoding rows) go to the
+    decode kernel, the rest to the extend kernel, and together they equal the reference."""
+    from model.triton_backend import make_triton_backend
+    num_kv_heads, group, head_dim, block_size = 8, 4, 128, 16
+    q_lens = [1, 300, 1, 1, 64, 1, 17, 1]
+    prefix = [900, 0, 5, 4000, 100, 1, 33, 63]
+    q, k_cache, v_cache, meta = _make_case([p + ql for p, ql in zip(prefix, q_lens)], q_lens,
+                                           num_kv_heads, group, head_dim, block_size, dtype, "cuda")
+    backend = make_triton_backend(16, num_kv_heads * group, head_dim, 8192, torch.device("cuda"))
+    out = backend.extend(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    split = meta.backend_state["extend_split"]
+    assert split.decode_rows.tolist() == [0, 301, 302, 367, 385]
+    assert sorted(set(split.work[:, 0].tolist())) == [1, 4, 6]
+    _check(out, _reference(q, k_cache, v_cache, meta, head_dim ** -0.5), dtype, "mixed step")
 
 
 @pytest.mark.gpu
@@ -269,27 +324,41 @@ def test_decode_cuda_graph_replay() -> None:
 
 # ---------------------------------------------------------------- decode split policy
 @needs_triton
-def test_decode_split_policy_fills_the_gpu_for_small_batches() -> None:
-    """Powers of two only (each is a kernel variant): large batches keep the context-limit
-    base, a small batch takes more splits, capped at one per 64 tokens of the limit (rounded up
-    to a power of two) and at
-    MAX_KV_SPLITS, until batch x KV heads x splits gives about two programs per SM; fewer KV
-    heads never means fewer splits, so the backend's workspace, sized for one KV head, fits
-    every batch."""
+def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
+    """Powers of two only (each is a kernel variant): batch x KV heads x splits stays at or
+    under PROGRAMS_PER_SM per SM and is the largest such power of two, unless the context
+    limit caps the count (one split per TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS);
+    fewer KV heads never mean fewer splits, so the backend's workspace, sized for one KV
+    head, fits every batch."""
     import triton
 
-    from model.kernels import num_kv_splits_for
-    from model.triton_backend import MAX_KV_SPLITS, decode_split_policy
+    from model.triton_backend import (MAX_KV_SPLITS, PROGRAMS_PER_SM, TOKENS_PER_SPLIT,
+                                      decode_split_policy)
+    sms = 132
     for limit in (1200, 4096, 40960):
-        splits = decode_split_policy(limit, num_sms=132)
-        base = triton.next_power_of_2(num_kv_splits_for(limit))
-        cap = max(base, min(MAX_KV_SPLITS, triton.next_power_of_2(-(-limit // 64))))
-        assert splits(256, 8) == base
+        splits = decode_split_policy(limit, num_sms=sms)
+        cap = min(MAX_KV_SPLITS, triton.next_power_of_2(-(-limit // TOKENS_PER_SPLIT)))
         for kv_heads in (1, 2, 8):
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
-                assert base <= s <= cap and s & (s - 1) == 0
-                assert s == base or 2 * s > cap or batch * kv_heads * s >= 2 * 132
+                assert 1 <= s <= cap and s & (s - 1) == 0
+                programs = batch * kv_heads * s
+                assert s == 1 or programs <= PROGRAMS_PER_SM * sms
+                assert s == cap or 2 * programs > PROGRAMS_PER_SM * sms
                 assert s <= splits(batch, 1)
-    assert decode_split_policy(40960, 132)(1, 8) == MAX_KV_SPLITS
-    assert decode_split_policy(1200, 132)(1, 8) == 32  # 19 splits of 64 tokens, rounded up
+    assert decode_split_policy(4096, sms)(256, 8) == 2  # the measured best at batch 256
+    assert decode_split_policy(40960, sms)(1, 8) == MAX_KV_SPLITS
+
+
+@needs_triton
+def test_extend_work_lists_each_chosen_sequences_row_blocks() -> None:
+    """One entry per BLOCK_M rows of each chosen sequence, in order, none for the others."""
+    import numpy as np
+
+    from model.kernels.extend import extend_work
+    work = extend_work(np.array([5, 64, 65, 1, 0, 130]), 64)
+    assert work.dtype == np.int32
+    assert work.tolist() == [[0, 0], [1, 0], [2, 0], [2, 64], [3, 0], [5, 0], [5, 64], [5, 128]]
+    assert extend_work(np.array([5, 64, 65, 1]), 32, np.array([2, 0])).tolist() == [
+        [2, 0], [2, 32], [2, 64], [0, 0]]
+    assert extend_work(np.array([3, 1]), 64, np.array([], dtype=np.int64)).shape == (0, 2)

@@ -159,10 +159,10 @@ def make_decode_workspace(max_batch: int, num_heads: int, head_dim: int, num_kv_
     return part_out, part_lse
 
 
-def _decode_config(elem_size: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) for stage 1, fixed per dtype (no register spills on sm_90 for
-    head_dim <= 128)."""
-    return (32, 8) if elem_size >= 4 else (64, 4)
+def _decode_config(elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for stage 1, fixed per dtype (no register spills on
+    sm_90 for head_dim <= 128)."""
+    return (32, 8, 2) if elem_size >= 4 else (64, 4, 2)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -170,6 +170,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           config: tuple[int, int, int] | None = None,
                            ) -> torch.Tensor:
     """Decode attention of q [B, H, D] over paged K/V; returns out [B, H, D] (q's dtype).
 
@@ -177,6 +178,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     K/V this step stored). `workspace` is `make_decode_workspace(...)` output with at least B
     rows and exactly num_kv_splits splits; without it, one is allocated per call. `out` may be a
     strided view. The launch shapes depend only on B, H, Hkv and num_kv_splits.
+    config: (BLOCK_N, num_warps, num_stages) in place of the fixed one (for
+    bench/decode_attention.py's sweep).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -194,7 +197,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert part_out.shape[0] >= batch and part_out.shape[1:] == (num_heads, num_kv_splits, head_dim)
     assert part_lse.shape[0] >= batch and part_lse.shape[1:] == (num_heads, num_kv_splits)
 
-    block_n, warps = _decode_config(k_cache.element_size())
+    block_n, warps, stages = config or _decode_config(k_cache.element_size())
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
@@ -205,7 +208,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         NUM_SPLITS=num_kv_splits, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=warps, num_stages=2, **pdl_options(q),
+        num_warps=warps, num_stages=stages, **pdl_options(q),
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,

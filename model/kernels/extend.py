@@ -9,13 +9,16 @@ from k_cache / v_cache [num_blocks, block_size, Hkv, D] through block_tables [B,
 GQA: query head h reads KV head h // (H // Hkv). One online softmax (fp32, log2 units) runs
 over all of a query block's keys.
 
-Grid (cdiv(max_query_len, BLOCK_M), B, H): a program owns BLOCK_M query rows of one sequence
-and one head. Programs past their sequence's query_len do no work. Keys strictly before the
-block's first position are visible to every row and run without a mask; the last few key tiles
-(up to BLOCK_M + BLOCK_N keys) apply the causal mask.
+Grid (P, H) over a work list (`extend_work`): program p owns the BLOCK_M query rows of
+sequence work[p, 0] that start at row work[p, 1] of that sequence, for one head. The list holds
+only blocks with rows, so a batch of short and long sequences launches no idle programs, and
+it may leave sequences out (the backend sends one-token sequences to the decode kernel).
+Keys strictly before the block's first position are visible to every row and run without a
+mask; the last few key tiles (up to BLOCK_M + BLOCK_N keys) apply the causal mask.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -60,7 +63,7 @@ def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d
 @triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
+    work_ptr, query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
     qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -71,19 +74,17 @@ def _extend_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    b = tl.load(work_ptr + 2 * tl.program_id(0))
+    m_start = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    h = tl.program_id(1)
 
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     ctx_len = tl.load(context_lens_ptr + b)
     prefix = ctx_len - q_len
-    m_start = m_block * BLOCK_M
-    active = m_start < q_len
     # keys < full_end are visible to every row of the block; keys < kv_end to some row
-    full_end = tl.where(active, (prefix + m_start) // BLOCK_N * BLOCK_N, 0)
-    kv_end = tl.where(active, tl.minimum(ctx_len, prefix + m_start + BLOCK_M), 0)
+    full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(ctx_len, prefix + m_start + BLOCK_M)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -121,25 +122,37 @@ def _extend_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def _extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype / head size (picked from the
-    sm_90 register report: no spills for 16-bit, head_dim <= 128)."""
+def extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype. 16-bit: measured on an
+    H200 at head_dim 128 (bench/extend_attention.py): 4 warps ran prompts 1.6-1.9x faster
+    than 8 (docs/benchmarks.md)."""
     if elem_size >= 4:  # exact fp32 dots run on FMA units; a test path, not a fast one
         return (32, 32, 8, 1)
-    if head_dim <= 64:
-        return (64, 64, 4, 2)
-    return (64, 64, 8, 2)
+    return (64, 64, 4, 2)
+
+
+def extend_work(query_lens: np.ndarray, block_m: int, seqs: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's work list: int32 [P, 2] of (sequence, first query row within it), one
+    entry per BLOCK_M rows of each sequence in `seqs` (default: all), in order."""
+    seqs = np.arange(len(query_lens)) if seqs is None else np.asarray(seqs)
+    counts = -(-np.asarray(query_lens)[seqs] // block_m)
+    first_entry = np.repeat(np.cumsum(counts) - counts, counts)
+    rows = (np.arange(int(counts.sum())) - first_entry) * block_m
+    return np.stack([np.repeat(seqs, counts), rows], axis=1).astype(np.int32)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, max_query_len: int, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     work: torch.Tensor | None = None,
+                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal extend attention of q [T, H, D] over paged K/V; returns out [T, H, D] (q's dtype).
 
     query_start_loc [B+1] int32, context_lens [B] int32 (prefix + new tokens), block_tables
-    [B, max_blocks] int32. max_query_len bounds every sequence's query_len and sizes the grid
-    (a larger value only adds idle programs). Rows of q outside every sequence are untouched.
+    [B, max_blocks] int32. work: `extend_work(query_lens, BLOCK_M)` on q's device (BLOCK_M of
+    `extend_config`, or of config); without it, every sequence's rows are computed (the list
+    is built from a host copy of query_start_loc). Rows of q outside the work list are
+    untouched. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place of the fixed one.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -149,13 +162,16 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert query_start_loc.shape[0] == batch + 1
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0 or batch == 0 or max_query_len <= 0:
+    if num_tokens == 0 or batch == 0:
         return out
-
-    block_m, block_n, warps, stages = _extend_config(k_cache.element_size(), head_dim)
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_heads)
-    _extend_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, context_lens, block_tables,
+    block_m, block_n, warps, stages = config or extend_config(k_cache.element_size(), head_dim)
+    if work is None:
+        query_lens = np.diff(query_start_loc.cpu().numpy())
+        work = torch.from_numpy(extend_work(query_lens, block_m)).to(q.device)
+    if work.shape[0] == 0:
+        return out
+    _extend_kernel[(work.shape[0], num_heads)](
+        q, k_cache, v_cache, out, work, query_start_loc, context_lens, block_tables,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
