@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.offline import config_dir  # noqa: E402
+from bench.offline import config_dir, print_step_profile  # noqa: E402
 from coordinator.config import EngineConfig  # noqa: E402
 from coordinator.offline import LLM  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
@@ -66,31 +66,11 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int,
         raise RuntimeError(f"only {len(engine.scheduler.running)} of {batch} sequences running")
     replay_graph(llm, batch, steps)
     if profile_steps:
-        profile_decode(engine, profile_steps)
+        print_step_profile(engine, profile_steps)
     for rid in list(engine.requests):
         engine.abort_request(rid)
     engine.step()
     return elapsed, sum(lengths) / batch + steps / 2
-
-
-def profile_decode(engine, steps: int) -> None:
-    """torch.profiler over `steps` more decode steps: wall time against the GPU's kernel time
-    per step (the difference is the GPU idling: host work between kernels and steps), and the
-    kernels that take the most time."""
-    from torch.profiler import ProfilerActivity, profile
-    sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        sync()
-        wall = (time.perf_counter() - start) / steps
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
-    gpu = sum(e.device_time_total for e in kernels) / steps / 1e3
-    print(json.dumps({"profiled_steps": steps, "wall_ms_per_step": round(wall * 1e3, 3),
-                      "gpu_kernel_ms_per_step": round(gpu, 3)}))
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:12]:
-        print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
 
 
 def replay_graph(llm: LLM, batch: int, replays: int) -> None:

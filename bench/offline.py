@@ -14,6 +14,11 @@ computes every prompt), and reports both the best and the median round of each.
 `--step-kinds` also reports, per plan kind (prefill, mixed, decode), the number of steps and
 the wall seconds of the engine steps that ran them (each step ends in a host sync on its
 sampled tokens, so a step's wall time is its GPU time plus its host work).
+
+`--profile-steps N` instead runs the workload's first N steps twice (the first time to
+compile, then aborted) and prints torch.profiler's GPU kernel time of the second, per kernel:
+the prefill and mixed steps, where the prompts are computed. Profile with TAPSERVE_PDL=0
+(under programmatic dependent launch a kernel's wait for its predecessor counts as its time).
 """
 from __future__ import annotations
 
@@ -73,6 +78,43 @@ def head_ab(llm: LLM, prompts, params, args) -> None:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
+def print_step_profile(engine, steps: int, top: int = 12) -> None:
+    """torch.profiler over the engine's next `steps` steps: wall time against the GPU's kernel
+    time per step (the difference is the GPU idling: host work between kernels and steps),
+    and the kernels that take the most time, per step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    gpu = sum(e.device_time_total for e in kernels) / steps / 1e3
+    print(json.dumps({"profiled_steps": steps, "wall_ms_per_step": round(wall * 1e3, 3),
+                      "gpu_kernel_ms_per_step": round(gpu, 3)}))
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
+
+
+def profile_first_steps(llm: LLM, prompts, params, steps: int) -> None:
+    """The workload's first `steps` steps, once to compile (then aborted), once profiled."""
+    engine = llm.engine
+    for attempt in ("warm", "profiled"):
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"{attempt}-{i}", prompt, p)
+        if attempt == "profiled":
+            print_step_profile(engine, steps, top=18)
+            return
+        for _ in range(steps):
+            engine.step()
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        engine.step()  # the aborts' outputs
+
+
 def time_step_kinds(engine) -> dict[str, list]:
     """Wrap engine.step and the planner: {plan kind: [steps, seconds]}, filled as it runs."""
     kinds: dict[str, list] = {}
@@ -113,6 +155,8 @@ def main() -> None:
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--step-kinds", action="store_true",
                    help="steps and seconds per plan kind (prefill / mixed / decode)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile the workload's first N steps instead of timing it (GPU)")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="head on / head off rounds (needs --custom-module)")
     args = p.parse_args()
@@ -123,12 +167,16 @@ def main() -> None:
                           custom_module=args.custom_module, enforce_eager=args.enforce_eager,
                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          enable_prefix_caching=not args.ab_rounds)
+                          # the A/B rounds and the profile's second pass must recompute prompts
+                          enable_prefix_caching=not (args.ab_rounds or args.profile_steps))
     llm = LLM(config)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # warm-up
     if args.ab_rounds:
         head_ab(llm, prompts, params, args)
+        return
+    if args.profile_steps:
+        profile_first_steps(llm, prompts, params, args.profile_steps)
         return
     kinds = time_step_kinds(llm.engine) if args.step_kinds else None
     start = time.perf_counter()

@@ -32,20 +32,17 @@ def main(spec_file: str, out_file: str) -> None:
         preemptions[0] += len(batch.preempted)
         return batch
     engine.scheduler.schedule = counting_schedule
-    for i, req in enumerate(spec["requests"]):
-        engine.add_request(str(i), req["prompt"], SamplingParams(**req["params"]),
-                           req.get("custom_output_params"))
-    while engine.has_work():
-        for out in engine.step():
-            r = results.setdefault(out.request_id, {"tokens": {}, "custom_output": None})
-            for s in out.sequences:
-                r["tokens"].setdefault(str(s.index), []).extend(s.new_token_ids)
-                r.setdefault("top_logprobs", []).extend(s.new_top_logprobs or [])
-                if s.custom_output is not None:  # LAST_GENERATED: one value per sequence
-                    r.setdefault("seq_custom_output", {})[str(s.index)] = s.custom_output["data"].hex()
-            if out.custom_output is not None:
-                r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
-            r["cached"] = out.num_cached_tokens
+    # "one_at_a_time": each request runs alone to the end (batch-1 decode)
+    groups = ([[i] for i in range(len(spec["requests"]))] if spec.get("one_at_a_time")
+              else [range(len(spec["requests"]))])
+    for group in groups:
+        for i in group:
+            req = spec["requests"][i]
+            engine.add_request(str(i), req["prompt"], SamplingParams(**req["params"]),
+                               req.get("custom_output_params"))
+        while engine.has_work():
+            for out in engine.step():
+                record(results, out)
     results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
     results["_preemptions"] = preemptions[0]
     results["_backend"] = dist.get_backend() if dist.is_initialized() else None
@@ -53,6 +50,19 @@ def main(spec_file: str, out_file: str) -> None:
     results["_allreduce"] = "nccl" if one_shot is None else one_shot.mode
     Path(out_file).write_text(json.dumps(results))
     stop_group(channel)
+
+
+def record(results: dict, out) -> None:
+    """Add one engine output to its request's results."""
+    r = results.setdefault(out.request_id, {"tokens": {}, "custom_output": None})
+    for s in out.sequences:
+        r["tokens"].setdefault(str(s.index), []).extend(s.new_token_ids)
+        r.setdefault("top_logprobs", []).extend(s.new_top_logprobs or [])
+        if s.custom_output is not None:  # LAST_GENERATED: one value per sequence
+            r.setdefault("seq_custom_output", {})[str(s.index)] = s.custom_output["data"].hex()
+    if out.custom_output is not None:
+        r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
+    r["cached"] = out.num_cached_tokens
 
 
 if __name__ == "__main__":
