@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from model.kernels.decode import _decode_config, make_decode_workspace, paged_decode_attention  # noqa: E402
+from model.kernels.decode import decode_config, make_decode_workspace, paged_decode_attention  # noqa: E402
 from model.triton_backend import decode_split_policy  # noqa: E402
 
 L2_FLUSH_BYTES = 512 << 20
+Config = tuple[int, int, int]  # BLOCK_N, num_warps, num_stages
 
 
 class Case:
@@ -53,12 +54,13 @@ class Case:
         self.out = torch.empty_like(self.q)
         self.scale = head_dim ** -0.5
 
-    def run(self, copy: int, splits: int, config, workspace) -> torch.Tensor:
+    def run(self, copy: int, splits: int, config: Config | None,
+            workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         return paged_decode_attention(self.q, self.k, self.v, self.tables[copy], self.lens,
                                       self.scale, out=self.out, num_kv_splits=splits,
                                       workspace=workspace, config=config)
 
-    def seconds_per_call(self, splits: int, config, replays: int = 10) -> float:
+    def seconds_per_call(self, splits: int, config: Config | None, replays: int = 10) -> float:
         q = self.q
         workspace = make_decode_workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
         calls = [lambda c=c: self.run(c, splits, config, workspace)
@@ -80,16 +82,16 @@ class Case:
         return start.elapsed_time(end) / 1e3 / replays / self.copies
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
+def parse_config(text: str) -> Config:
     block_n, warps, stages = (int(v) for v in text.split("x"))
     return block_n, warps, stages
 
 
-def timed(case: Case, splits: int, config, reference: torch.Tensor) -> dict:
+def timed(case: Case, splits: int, config: Config | None, reference: torch.Tensor) -> dict:
     """One timing row, with the output's largest difference from the policy's."""
     seconds = case.seconds_per_call(splits, config)
     error = (case.run(0, splits, config, None).float() - reference.float()).abs().max()
-    return {"splits": splits, "config": "x".join(map(str, config or _decode_config(2))),
+    return {"splits": splits, "config": "x".join(map(str, config or decode_config(2))),
             "us": round(seconds * 1e6, 2), "tb_s": round(case.kv_bytes / seconds / 1e12, 3),
             "max_err": round(float(error), 4)}
 

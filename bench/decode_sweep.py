@@ -103,7 +103,7 @@ def main() -> None:
                    help="after timing each batch, profile this many steps (GPU kernel time vs wall)")
     p.add_argument("--max-model-len", type=int,
                    help="the engine's context limit (it sets the decode KV split count); "
-                        "default: just what the run needs")
+                        "raised to what the run needs if smaller; default: just that")
     args = p.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps

@@ -17,6 +17,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -56,8 +57,8 @@ def make_meta(q_lens: list[int], prefix: list[int], page: int, device: str) -> A
         slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), is_decode=False, max_query_len=max(q_lens),
-        max_context_len=max(ctx), query_start_loc_host=starts, context_lens_host=ctx)
+        block_tables=tables.to(device), is_decode=False, query_start_loc_host=starts,
+        context_lens_host=ctx)
 
 
 def causal_flops(q_lens: list[int], prefix: list[int], heads: int, head_dim: int) -> float:
@@ -65,7 +66,7 @@ def causal_flops(q_lens: list[int], prefix: list[int], heads: int, head_dim: int
     return 4 * heads * head_dim * keys
 
 
-def seconds_per_call(fn, replays: int = 20) -> float:
+def seconds_per_call(fn: Callable[[], object], replays: int = 20) -> float:
     fn()  # compile, and the backend's per-step split, outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -96,8 +97,10 @@ def main() -> None:
     heads = cfg["num_attention_heads"] // args.tp
     kv_heads = max(1, cfg["num_key_value_heads"] // args.tp)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    backend = make_triton_backend(512, heads, head_dim, 8192, torch.device("cuda"))
-    for name, (q_lens, prefix) in shapes(args.tokens, args.decode_rows, args.long).items():
+    cases = shapes(args.tokens, args.decode_rows, args.long)
+    max_seqs = max(len(q_lens) for q_lens, _ in cases.values())
+    backend = make_triton_backend(max_seqs, heads, head_dim, 8192, torch.device("cuda"))
+    for name, (q_lens, prefix) in cases.items():
         meta = make_meta(q_lens, prefix, args.page, "cuda")
         num_blocks = int(meta.block_tables.max()) + 1
         cache = (num_blocks, args.page, kv_heads, head_dim)

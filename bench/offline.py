@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.config import EngineConfig  # noqa: E402
+from coordinator.engine import Engine  # noqa: E402
 from coordinator.offline import LLM  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
 
@@ -78,7 +79,7 @@ def head_ab(llm: LLM, prompts, params, args) -> None:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 
-def print_step_profile(engine, steps: int, top: int = 12) -> None:
+def print_step_profile(engine: Engine, steps: int, top: int = 12) -> None:
     """torch.profiler over the engine's next `steps` steps: wall time against the GPU's kernel
     time per step (the difference is the GPU idling: host work between kernels and steps),
     and the kernels that take the most time, per step."""
@@ -99,7 +100,8 @@ def print_step_profile(engine, steps: int, top: int = 12) -> None:
         print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
 
 
-def profile_first_steps(llm: LLM, prompts, params, steps: int) -> None:
+def profile_first_steps(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                        steps: int) -> None:
     """The workload's first `steps` steps, once to compile (then aborted), once profiled."""
     engine = llm.engine
     for attempt in ("warm", "profiled"):
@@ -107,9 +109,9 @@ def profile_first_steps(llm: LLM, prompts, params, steps: int) -> None:
             engine.add_request(f"{attempt}-{i}", prompt, p)
         if attempt == "profiled":
             print_step_profile(engine, steps, top=18)
-            return
-        for _ in range(steps):
-            engine.step()
+        else:
+            for _ in range(steps):
+                engine.step()
         for rid in list(engine.requests):
             engine.abort_request(rid)
         engine.step()  # the aborts' outputs

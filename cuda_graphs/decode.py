@@ -49,7 +49,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
             context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
-            is_decode=True, max_query_len=1, max_context_len=self.block_tables.shape[1])
+            is_decode=True)
         return ForwardContext(self.positions[:b], meta, self.kv_caches)
 
     @torch.inference_mode()

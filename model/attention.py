@@ -26,14 +26,13 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32, prefix + new tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32
     is_decode: bool  # every sequence has query_len == 1
-    max_query_len: int
-    max_context_len: int
-    # host copies for the reference backend, which loops over sequences
+    # host copies, for what a backend plans on the host: the reference backend loops over
+    # sequences, the Triton backend builds its extend work list
     query_start_loc_host: list[int] | None = None
     context_lens_host: list[int] | None = None
     # what a backend derives from this step's metadata once and reuses in every layer (the
     # Triton backend's extend work list), filled on first use
-    backend_state: dict = field(default_factory=dict)
+    backend_state: dict[object, object] = field(default_factory=dict)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -6,6 +6,7 @@ ones (ExtendSplit)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -19,18 +20,17 @@ MAX_KV_SPLITS = 64
 # small batches, more cut contexts into slivers whose partial outputs and merge cost more
 # than they hide
 PROGRAMS_PER_SM = 32
-TOKENS_PER_SPLIT = 256  # of the context limit: the most splits a limit allows
+TOKENS_PER_SPLIT = 256  # of the context limit: bounds the split count (see the policy)
 
 
-def decode_split_policy(max_model_len: int, num_sms: int):
-    """splits(batch, kv_heads): the decode KV split count, so that batch x kv_heads x splits
-    makes up to PROGRAMS_PER_SM programs per SM (the power of two at or under it), at most
-    one split per TOKENS_PER_SPLIT
-    tokens of the context limit and at most MAX_KV_SPLITS. A large batch fills the GPU
-    alone (batch 256 x 8 KV heads: 2 splits on 132 SMs); a small one takes more. Always a
-    power of two: each count is a kernel variant to compile (a handful, not one per batch
-    size). Fewer KV heads never mean fewer splits, so a workspace sized for one KV head
-    fits every batch."""
+def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int], int]:
+    """splits(batch, kv_heads): the decode KV split count, the largest power of two for
+    which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM, capped at
+    ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
+    MAX_KV_SPLITS. A large batch fills the GPU alone (batch 256 x 8 KV heads: 2 splits on
+    132 SMs); a small one takes more. Powers of two only: each count is a kernel variant to
+    compile (a handful, not one per batch size). Fewer KV heads never mean fewer splits, so
+    a workspace sized for one KV head fits every batch."""
     import triton
 
     from model.kernels import num_kv_splits_for
@@ -41,6 +41,38 @@ def decode_split_policy(max_model_len: int, num_sms: int):
         want = max(1, PROGRAMS_PER_SM * num_sms // (batch * kv_heads))
         return min(cap, 1 << (want.bit_length() - 1))
     return splits
+
+
+class DecodeWorkspace:
+    """The decode kernel's split count per batch shape and one flat workspace for them all,
+    sized for the most rows x splits any batch up to max_batch asks for (one KV head per rank
+    is the worst case). Views are made once per (batch, kv_heads): eager decode asks once per
+    layer per step."""
+
+    def __init__(self, max_batch: int, num_heads: int, head_dim: int,
+                 splits_for: Callable[[int, int], int], device: torch.device):
+        self.num_heads, self.head_dim, self.splits_for = num_heads, head_dim, splits_for
+        rows = max(b * splits_for(b, 1) for b in range(1, max_batch + 1))
+        self.part_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
+        self.layouts: dict[tuple[int, int], tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def layout(self, batch: int, kv_heads: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(splits, (partial_out, partial_lse)) for this batch shape."""
+        key = (batch, kv_heads)
+        if key not in self.layouts:
+            splits, h, d = self.splits_for(batch, kv_heads), self.num_heads, self.head_dim
+            out = self.part_out[:batch * h * splits * d].view(batch, h, splits, d)
+            lse = self.part_lse[:batch * h * splits].view(batch, h, splits)
+            self.layouts[key] = splits, (out, lse)
+        return self.layouts[key]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        from model.kernels import paged_decode_attention
+        splits, workspace = self.layout(q.shape[0], k_cache.shape[2])
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      num_kv_splits=splits, workspace=workspace)
 
 
 @dataclass
@@ -58,64 +90,45 @@ class ExtendSplit:
     @classmethod
     def of(cls, meta: AttentionMetadata, block_m: int, device: torch.device) -> "ExtendSplit":
         from model.kernels.extend import extend_work
+
+        def on_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
         starts = np.asarray(meta.query_start_loc_host or meta.query_start_loc.tolist())
         query_lens = np.diff(starts)
         one_row = np.flatnonzero(query_lens == 1)
-        work = extend_work(query_lens, block_m, np.flatnonzero(query_lens > 1))
-        work = torch.from_numpy(work).to(device, non_blocking=True)
+        work = on_device(extend_work(query_lens, block_m, np.flatnonzero(query_lens > 1)))
         if not one_row.size:
             return cls(work, None, None, None)
         lens = np.asarray(meta.context_lens_host or meta.context_lens.tolist(), np.int32)[one_row]
-        seqs = torch.from_numpy(one_row).to(device, non_blocking=True)
-        return cls(work, torch.from_numpy(starts[one_row].astype(np.int64)).to(device, non_blocking=True),
-                   meta.block_tables[seqs], torch.from_numpy(lens).to(device, non_blocking=True))
+        tables = meta.block_tables[on_device(one_row)]
+        return cls(work, on_device(starts[one_row].astype(np.int64)), tables, on_device(lens))
 
 
 def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model_len: int,
-                        device: torch.device) -> AttentionBackend:
-    from model.kernels import extend_attention, paged_decode_attention, store_kv_cache
+                        device: torch.device, num_sms: int | None = None) -> AttentionBackend:
+    """num_sms: the device's, unless given (the CPU interpreter has none)."""
+    from model.kernels import extend_attention, store_kv_cache
     from model.kernels.extend import extend_config
-    splits_for = decode_split_policy(max_model_len,
-                                     torch.cuda.get_device_properties(device).multi_processor_count)
-    # one flat workspace for every batch size: the most rows x splits any batch asks for
-    # (one KV head per rank is the worst case)
-    rows = max(b * splits_for(b, 1) for b in range(1, max_batch + 1))
-    part_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(rows * num_heads, dtype=torch.float32, device=device)
-    # per (batch, kv_heads): the split count and its workspace views, made once (eager decode
-    # calls this once per layer per step)
-    layouts: dict[tuple[int, int], tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def layout(batch: int, kv_heads: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
-        splits = splits_for(batch, kv_heads)
-        return splits, (part_out[:batch * num_heads * splits * head_dim].view(batch, num_heads, splits, head_dim),
-                        part_lse[:batch * num_heads * splits].view(batch, num_heads, splits))
-
-    def attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-        key = (q.shape[0], k_cache.shape[2])
-        if key not in layouts:
-            layouts[key] = layout(*key)
-        splits, workspace = layouts[key]
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
-                                      scale, num_kv_splits=splits, workspace=workspace)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    decoder = DecodeWorkspace(max_batch, num_heads, head_dim,
+                              decode_split_policy(max_model_len, num_sms), device)
 
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return attend_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return decoder.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
 
     def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        split = meta.backend_state.get("extend_split")
+        block_m = extend_config(k_cache.element_size(), head_dim)[0]
+        split = meta.backend_state.get(("extend_split", block_m))
         if split is None:
-            block_m = extend_config(k_cache.element_size(), head_dim)[0]
-            split = meta.backend_state["extend_split"] = ExtendSplit.of(meta, block_m, q.device)
+            split = meta.backend_state[("extend_split", block_m)] = ExtendSplit.of(meta, block_m, q.device)
         out = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
                                meta.block_tables, scale, work=split.work)
         if split.decode_rows is not None:
-            out[split.decode_rows] = attend_decode(q[split.decode_rows], k_cache, v_cache,
-                                                   split.decode_tables, split.decode_lens, scale)
+            out[split.decode_rows] = decoder.attend(q[split.decode_rows], k_cache, v_cache,
+                                                    split.decode_tables, split.decode_lens, scale)
         return out
 
     return AttentionBackend(store=store_kv_cache, extend=extend, decode=decode)

@@ -55,10 +55,6 @@ class StepPlan:
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
 
-    @property
-    def max_query_len(self) -> int:
-        return int(np.diff(self.query_start_loc).max()) if self.num_seqs else 0
-
 
 # the wire's order: the block tables last, so that a laid-out message widens them in place
 _ARRAY_FIELDS = [f.name for f in fields(StepPlan)

@@ -167,8 +167,6 @@ class ModelRunner:
             context_lens=self._tensor(plan.context_lens),
             block_tables=self._tensor(plan.block_tables),
             is_decode=plan.kind is StepKind.DECODE,
-            max_query_len=plan.max_query_len,
-            max_context_len=int(plan.context_lens.max()) if plan.num_seqs else 0,
             query_start_loc_host=plan.query_start_loc.tolist(),
             context_lens_host=plan.context_lens.tolist())
         return ForwardContext(self._tensor(plan.positions), attn, kv_caches)

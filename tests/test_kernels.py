@@ -62,8 +62,7 @@ def _make_case(ctx_lens: list[int], q_lens: list[int], num_kv_heads: int, group:
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
-        is_decode=all(ql == 1 for ql in q_lens), max_query_len=max(q_lens),
-        max_context_len=max(ctx_lens), query_start_loc_host=starts,
+        is_decode=all(ql == 1 for ql in q_lens), query_start_loc_host=starts,
         context_lens_host=list(ctx_lens))
     return q, k_cache.to(device), v_cache.to(device), meta
 
@@ -135,6 +134,32 @@ def check_extend_subset(device: str) -> None:
             assert torch.equal(out[rows], torch.full_like(out[rows], 7.0)), f"sequence {i} written"
 
 
+def check_backend_mixed(device: str, dtype: torch.dtype = torch.float32) -> None:
+    """Non-decode steps through the Triton backend: one-row sequences (decoding rows) go to
+    the decode kernel, the rest over the extend work list; a second layer reuses the step's
+    split; a step of one-row sequences only, and a sequence with no new rows."""
+    from model.triton_backend import make_triton_backend
+    backend = make_triton_backend(16, 8, 64, 1024, torch.device(device), num_sms=132)
+    steps = [([1, 40, 1, 1, 17, 1], [70, 0, 5, 130, 16, 1]),  # mixed
+             ([1, 1, 1], [3, 64, 200]),  # one-row sequences only
+             ([5, 0, 1], [0, 9, 20])]  # a sequence with no rows this step
+    for seed, (q_lens, prefix) in enumerate(steps):
+        ctx = [p + ql for p, ql in zip(prefix, q_lens)]
+        q, k_cache, v_cache, meta = _make_case(ctx, q_lens, 2, 4, 64, 16, dtype, device, seed,
+                                               q_stride_pad=8)
+        meta.is_decode = False  # a prefill or mixed plan, whatever its rows
+        ref = _reference(q, k_cache, v_cache, meta, 0.125)
+        for layer in range(2):  # the second reuses the split made by the first
+            out = backend.extend(q, k_cache, v_cache, meta, 0.125)
+            _check(out, ref, dtype, f"backend step {q_lens} layer {layer}")
+        (split,) = meta.backend_state.values()
+        one_row = [i for i, n in enumerate(q_lens) if n == 1]
+        starts = meta.query_start_loc_host
+        rows = [] if split.decode_rows is None else split.decode_rows.tolist()
+        assert rows == [starts[i] for i in one_row], (rows, one_row)
+        assert sorted(set(split.work[:, 0].tolist())) == [i for i, n in enumerate(q_lens) if n > 1]
+
+
 def check_store(num_tokens: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
                 device: str, seed: int = 0) -> None:
     from model.kernels import store_kv_cache
@@ -173,6 +198,7 @@ def _cpu_decode() -> None:
     check_decode(CPU_DECODE_CTX, (2, 4, 128, 32), torch.float32, "cpu", num_kv_splits=3, seed=1,
                  strided=True)
     check_decode([1, 40, 130], (1, 8, 64, 16), torch.float16, "cpu", num_kv_splits=16, seed=2)
+    check_decode(CPU_DECODE_CTX, (2, 4, 64, 16), torch.float32, "cpu", num_kv_splits=1, seed=3)
     # a padded CUDA-graph row (context 0) must give zeros, not NaN
     from model.kernels import paged_decode_attention
     q, k_cache, v_cache, meta = _make_case([5, 1], [1, 1], 1, 4, 64, 16, torch.float32, "cpu")
@@ -187,6 +213,7 @@ def _cpu_extend() -> None:
                  strided=True)
     check_extend([0, 47], [70, 2], (1, 8, 64, 16), torch.float16, "cpu", seed=2)
     check_extend_subset("cpu")
+    check_backend_mixed("cpu")
 
 
 def _cpu_triton_available() -> None:
@@ -235,6 +262,7 @@ def test_decode_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Non
     check_decode(ctx[::-1][:6], shape, dtype, "cuda", num_kv_splits=5, seed=1, strided=True)
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=64, seed=2)  # a small batch's count
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=2, seed=3)  # a large batch's count
+    check_decode(ctx, shape, dtype, "cuda", num_kv_splits=1, seed=4)
 
 
 @pytest.mark.gpu
@@ -271,10 +299,11 @@ def test_backend_mixed_step_splits_one_row_sequences(dtype: torch.dtype) -> None
                                            num_kv_heads, group, head_dim, block_size, dtype, "cuda")
     backend = make_triton_backend(16, num_kv_heads * group, head_dim, 8192, torch.device("cuda"))
     out = backend.extend(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    split = meta.backend_state["extend_split"]
+    (split,) = meta.backend_state.values()
     assert split.decode_rows.tolist() == [0, 301, 302, 367, 385]
     assert sorted(set(split.work[:, 0].tolist())) == [1, 4, 6]
     _check(out, _reference(q, k_cache, v_cache, meta, head_dim ** -0.5), dtype, "mixed step")
+    check_backend_mixed("cuda", dtype)
 
 
 @pytest.mark.gpu
@@ -315,8 +344,7 @@ def test_decode_cuda_graph_replay() -> None:
         sub = AttentionMetadata(
             slot_mapping=meta.slot_mapping[live], query_start_loc=torch.arange(
                 len(live) + 1, dtype=torch.int32, device="cuda"),
-            context_lens=ctx[live], block_tables=meta.block_tables[live], is_decode=True,
-            max_query_len=1, max_context_len=max(lens))
+            context_lens=ctx[live], block_tables=meta.block_tables[live], is_decode=True)
         _check(out[live], _reference(q[live], k_cache, v_cache, sub, scale), dtype,
                f"graph replay {lens}")
         assert all(out[i].abs().max().item() == 0 for i, c in enumerate(lens) if c == 0)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 torch.set_num_threads(1)
 
+from api.wire import RequestOutput  # noqa: E402
 from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
 
@@ -52,7 +53,7 @@ def main(spec_file: str, out_file: str) -> None:
     stop_group(channel)
 
 
-def record(results: dict, out) -> None:
+def record(results: dict, out: RequestOutput) -> None:
     """Add one engine output to its request's results."""
     r = results.setdefault(out.request_id, {"tokens": {}, "custom_output": None})
     for s in out.sequences:

@@ -2,9 +2,9 @@
 
 Exports (loaded lazily, so `import model.kernels` works without Triton installed):
   paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None,
-                         num_kv_splits=16, workspace=None) -> out [B, H, D]
+                         num_kv_splits=16, workspace=None, config=None) -> out [B, H, D]
   extend_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
-                   scale, out=None, work=None) -> out [T, H, D]
+                   scale, out=None, work=None, config=None) -> out [T, H, D]
   store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
   make_decode_workspace(max_batch, num_heads, head_dim, num_kv_splits, device)
   num_kv_splits_for(max_model_len) -> int

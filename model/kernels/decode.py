@@ -159,7 +159,7 @@ def make_decode_workspace(max_batch: int, num_heads: int, head_dim: int, num_kv_
     return part_out, part_lse
 
 
-def _decode_config(elem_size: int) -> tuple[int, int, int]:
+def decode_config(elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for stage 1, fixed per dtype (no register spills on
     sm_90 for head_dim <= 128)."""
     return (32, 8, 2) if elem_size >= 4 else (64, 4, 2)
@@ -197,7 +197,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert part_out.shape[0] >= batch and part_out.shape[1:] == (num_heads, num_kv_splits, head_dim)
     assert part_lse.shape[0] >= batch and part_lse.shape[1:] == (num_heads, num_kv_splits)
 
-    block_n, warps, stages = config or _decode_config(k_cache.element_size())
+    block_n, warps, stages = config or decode_config(k_cache.element_size())
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,

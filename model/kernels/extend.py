@@ -123,12 +123,12 @@ def _extend_kernel(
 
 
 def extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype. 16-bit: measured on an
-    H200 at head_dim 128 (bench/extend_attention.py): 4 warps ran prompts 1.6-1.9x faster
-    than 8 (docs/benchmarks.md)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype and head size. 16-bit, head
+    dim <= 128: measured on an H200 at 128 (bench/extend_attention.py), 4 warps ran prompts
+    1.6-1.9x faster than 8 (docs/benchmarks.md); larger heads keep 8 (not measured)."""
     if elem_size >= 4:  # exact fp32 dots run on FMA units; a test path, not a fast one
         return (32, 32, 8, 1)
-    return (64, 64, 4, 2)
+    return (64, 64, 4, 2) if head_dim <= 128 else (64, 64, 8, 2)
 
 
 def extend_work(query_lens: np.ndarray, block_m: int, seqs: np.ndarray | None = None) -> np.ndarray:
@@ -149,10 +149,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Causal extend attention of q [T, H, D] over paged K/V; returns out [T, H, D] (q's dtype).
 
     query_start_loc [B+1] int32, context_lens [B] int32 (prefix + new tokens), block_tables
-    [B, max_blocks] int32. work: `extend_work(query_lens, BLOCK_M)` on q's device (BLOCK_M of
-    `extend_config`, or of config); without it, every sequence's rows are computed (the list
-    is built from a host copy of query_start_loc). Rows of q outside the work list are
-    untouched. config: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place of the fixed one.
+    [B, max_blocks] int32. work: `extend_work(query_lens, BLOCK_M)` on q's device, built with
+    the BLOCK_M of `extend_config` (or of config); without it, every sequence's rows are
+    computed (the list is built from a host copy of query_start_loc). Rows of `out` outside
+    the work list are not written (uninitialised when out is None). config: (BLOCK_M,
+    BLOCK_N, num_warps, num_stages) in place of the fixed one.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -168,6 +169,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if work is None:
         query_lens = np.diff(query_start_loc.cpu().numpy())
         work = torch.from_numpy(extend_work(query_lens, block_m)).to(q.device)
+    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 2 \
+        and work.is_contiguous(), "work: extend_work's [P, 2] int32 list"
     if work.shape[0] == 0:
         return out
     _extend_kernel[(work.shape[0], num_heads)](
