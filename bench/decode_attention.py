@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
 from model.kernels.decode import decode_config, make_decode_workspace, paged_decode_attention  # noqa: E402
 from model.triton_backend import decode_split_policy  # noqa: E402
 
@@ -63,23 +64,9 @@ class Case:
     def seconds_per_call(self, splits: int, config: Config | None, replays: int = 10) -> float:
         q = self.q
         workspace = make_decode_workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
-        calls = [lambda c=c: self.run(c, splits, config, workspace)
-                 for c in range(self.copies)]
-        for call in calls:  # compile and warm outside the capture
-            call()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / replays / self.copies
+        return seconds_per_replay(
+            lambda: [self.run(c, splits, config, workspace) for c in range(self.copies)],
+            replays) / self.copies
 
 
 def parse_config(text: str) -> Config:
@@ -110,10 +97,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--json", help="write every timing to this file")
     args = p.parse_args()
-    cfg = json.loads(Path(args.model_config).read_text())
-    heads = cfg["num_attention_heads"] // args.tp
-    kv_heads = max(1, cfg["num_key_value_heads"] // args.tp)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads, kv_heads, head_dim = rank_heads(json.loads(Path(args.model_config).read_text()), args.tp)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     policy = decode_split_policy(args.max_model_len, num_sms)
     rows = []

@@ -17,13 +17,13 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
 from model.attention import AttentionMetadata  # noqa: E402
 from model.kernels import extend_attention  # noqa: E402
 from model.kernels.extend import extend_config, extend_work  # noqa: E402
@@ -66,22 +66,6 @@ def causal_flops(q_lens: list[int], prefix: list[int], heads: int, head_dim: int
     return 4 * heads * head_dim * keys
 
 
-def seconds_per_call(fn: Callable[[], object], replays: int = 20) -> float:
-    fn()  # compile, and the backend's per-step split, outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", required=True)
@@ -93,10 +77,7 @@ def main() -> None:
     p.add_argument("--configs", default="64x64x8x2,64x64x4x2,128x64x8x2,128x32x8x2,64x32x4x2,128x64x8x3",
                    help="BLOCK_MxBLOCK_Nxwarpsxstages for the extend kernel alone")
     args = p.parse_args()
-    cfg = json.loads(Path(args.model_config).read_text())
-    heads = cfg["num_attention_heads"] // args.tp
-    kv_heads = max(1, cfg["num_key_value_heads"] // args.tp)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    heads, kv_heads, head_dim = rank_heads(json.loads(Path(args.model_config).read_text()), args.tp)
     cases = shapes(args.tokens, args.decode_rows, args.long)
     max_seqs = max(len(q_lens) for q_lens, _ in cases.values())
     backend = make_triton_backend(max_seqs, heads, head_dim, 8192, torch.device("cuda"))
@@ -110,15 +91,15 @@ def main() -> None:
         scale = head_dim ** -0.5
         flops = causal_flops(q_lens, prefix, heads, head_dim)
         row = {"shape": name, "seqs": len(q_lens), "tokens": sum(q_lens), "gflop": round(flops / 1e9, 2)}
-        seconds = seconds_per_call(lambda: backend.extend(q, k, v, meta, scale))
+        seconds = seconds_per_replay(lambda: backend.extend(q, k, v, meta, scale), 20)
         row["backend_ms"] = round(seconds * 1e3, 3)
         row["backend_tflops"] = round(flops / seconds / 1e12, 1)
         for config in [None] + [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]:
             block_m = (config or extend_config(2, head_dim))[0]
             work = torch.from_numpy(extend_work(np.diff(meta.query_start_loc_host), block_m)).cuda()
-            seconds = seconds_per_call(lambda: extend_attention(
+            seconds = seconds_per_replay(lambda: extend_attention(
                 q, k, v, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
-                work=work, config=config))
+                work=work, config=config), 20)
             key = "x".join(map(str, config)) if config else "default"
             row[f"extend_only_{key}_ms"] = round(seconds * 1e3, 3)
         print(json.dumps(row), flush=True)

@@ -23,6 +23,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
 from model.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv, gemv_config  # noqa: E402
 from model.layers import GEMV_MAX_ROWS  # noqa: E402
 
@@ -32,9 +33,8 @@ L2_FLUSH_BYTES = 512 << 20
 def linear_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
     """(N, K) of each linear of one rank's layer, and the LM head's."""
     hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q = config["num_attention_heads"] * head_dim // tp
-    kv = max(1, config["num_key_value_heads"] // tp) * head_dim
+    heads, kv_heads, head_dim = rank_heads(config, tp)
+    q, kv = heads * head_dim, kv_heads * head_dim
     inter = config["intermediate_size"] // tp
     return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * inter, hidden),
             "down": (hidden, inter), "lm_head": (math.ceil(config["vocab_size"] / tp), hidden)}
@@ -42,22 +42,8 @@ def linear_shapes(config: dict, tp: int) -> dict[str, tuple[int, int]]:
 
 def time_per_call(op, weights: list[torch.Tensor], replays: int = 20) -> float:
     """Seconds per op call, from a CUDA graph of one call per weight copy."""
-    for w in weights:  # compile and warm outside the capture
-        op(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            op(w)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / replays / len(weights)
+    return seconds_per_replay(lambda: [op(w) for w in weights], replays,
+                              warm_replays=3) / len(weights)
 
 
 def configs_to_sweep(rows: int) -> list[GemvConfig]:
