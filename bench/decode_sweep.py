@@ -104,7 +104,11 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int,
                    help="the engine's context limit (it sets the decode KV split count); "
                         "raised to what the run needs if smaller; default: just that")
+    p.add_argument("--async-scheduling", default="on",
+                   help="on, off, or on,off: each batch timed in each mode in turn "
+                        "(coordinator/run_ahead.py)")
     args = p.parse_args()
+    modes = [{"on": True, "off": False}[m] for m in args.async_scheduling.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
     prefill_steps = -(-max(batches) * args.context // budget)
@@ -121,17 +125,20 @@ def main() -> None:
         if need > llm.runner.num_blocks:
             print(f"batch {b}: KV does not fit ({need} > {llm.runner.num_blocks} blocks)")
             break
-        try:
-            t, mean_context = time_decode(llm, b, args.context, args.steps, args.profile_steps)
-        except RuntimeError as e:
-            print(f"batch {b}: {e}")
-            break
-        read = wbytes + b * mean_context * kv_per_token
-        rows.append({"batch": b, "context": args.context, "mean_context": round(mean_context),
-                     "step_ms": round(t * 1e3, 3),
-                     "tokens_per_s": round(b / t, 1), "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
-                     "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
-        print(json.dumps(rows[-1]), flush=True)
+        for run_ahead in modes:
+            llm.engine.run_ahead = run_ahead  # between batches: no step is in flight
+            try:
+                t, mean_context = time_decode(llm, b, args.context, args.steps, args.profile_steps)
+            except RuntimeError as e:
+                print(f"batch {b}: {e}")
+                break
+            read = wbytes + b * mean_context * kv_per_token
+            rows.append({"batch": b, "context": args.context, "mean_context": round(mean_context),
+                         "async_scheduling": run_ahead, "step_ms": round(t * 1e3, 3),
+                         "tokens_per_s": round(b / t, 1),
+                         "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
+                         "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
+            print(json.dumps(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"weight_bytes": wbytes, "rows": rows}, indent=1))
 

@@ -141,6 +141,23 @@ def time_step_kinds(engine) -> dict[str, list]:
     return kinds
 
 
+def async_ab(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> None:
+    """The workload with asynchronous scheduling on and off in turn, in one process (the same
+    weights, graphs and GPU state): a line of JSON per run, then the best of each."""
+    best: dict[bool, float] = {}
+    for r in range(rounds):
+        for run_ahead in (True, False):
+            llm.engine.run_ahead = run_ahead  # between runs: no step is in flight
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            best[run_ahead] = min(best.get(run_ahead, elapsed), elapsed)
+            print(json.dumps({"round": r, "async_scheduling": run_ahead,
+                              "seconds": round(elapsed, 3)}), flush=True)
+    print(json.dumps({"best_async": round(best[True], 3), "best_sync": round(best[False], 3),
+                      "speedup": round(best[False] / best[True], 4)}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint folder (weights loaded)")
@@ -161,6 +178,9 @@ def main() -> None:
                    help="profile the workload's first N steps instead of timing it (GPU)")
     p.add_argument("--ab-rounds", type=int, default=0,
                    help="head on / head off rounds (needs --custom-module)")
+    p.add_argument("--async-ab", type=int, default=0, metavar="ROUNDS",
+                   help="asynchronous scheduling on / off rounds in one process")
+    p.add_argument("--no-async-scheduling", action="store_true")
     args = p.parse_args()
     if args.ab_rounds and not args.custom_module:
         p.error("--ab-rounds needs --custom-module")
@@ -170,12 +190,17 @@ def main() -> None:
                           max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           # the A/B rounds and the profile's second pass must recompute prompts
-                          enable_prefix_caching=not (args.ab_rounds or args.profile_steps))
+                          enable_prefix_caching=not (args.ab_rounds or args.profile_steps
+                                                     or args.async_ab),
+                          async_scheduling=False if args.no_async_scheduling else None)
     llm = LLM(config)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # warm-up
     if args.ab_rounds:
         head_ab(llm, prompts, params, args)
+        return
+    if args.async_ab:
+        async_ab(llm, prompts, params, args.async_ab)
         return
     if args.profile_steps:
         profile_first_steps(llm, prompts, params, args.profile_steps)

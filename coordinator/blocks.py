@@ -114,6 +114,13 @@ class BlockManager:
             self._restamp(seq, appended=True)
         return copy
 
+    def append_block(self, seq: Sequence) -> None:
+        """Give seq one more block at the end of its table (a steady decode row whose next
+        token outgrows its blocks: the scheduler's arrays say so, whether or not the
+        sequence holds its newest token yet). Never shared: single requests do not fork."""
+        seq.block_table.append(self._take_fresh())
+        self._restamp(seq, appended=True)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share all of parent's blocks with child. A partly filled last block is copied
         only when one of them writes into it (append_slot), so a fork allocates nothing."""

@@ -41,6 +41,7 @@ class EngineConfig:
     output_workers: int = 0
     enforce_eager: bool = False
     seed: int = 0
+    async_scheduling: bool | None = None  # None: on CUDA at TP 1 (coordinator/run_ahead.py)
 
     def __post_init__(self) -> None:
         if self.custom_output_reuse not in ("omit", "recompute"):
@@ -100,7 +101,7 @@ def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
         enable_prefix_caching=config.enable_prefix_caching,
         custom_output_reuse=config.custom_output_reuse, seed=config.seed,
-        output_workers=config.output_workers)
+        output_workers=config.output_workers, async_scheduling=config.async_scheduling)
     return Engine(runner, options, handler, channel.send if channel else (lambda plan: None),
                   text_decoder)
 

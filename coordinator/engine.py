@@ -21,8 +21,9 @@ from coordinator.blocks import BlockManager
 from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
                                         encode_row, run_handler, select_position)
 from coordinator.output_dispatch import OutputDispatcher
-from coordinator.outputs import SteadyColumns, request_output
+from coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
 from coordinator.planner import PlanRows, Planner
+from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw
 from coordinator.sampler import SampleRow, Sampler
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -46,6 +47,9 @@ class EngineOptions:
     custom_output_reuse: str = "omit"  # or "recompute"
     seed: int = 0
     output_workers: int = 0  # custom-output dispatch threads (0 = serial)
+    # plain decode steps run ahead of their sampling (coordinator/run_ahead.py); None: on
+    # CUDA at TP 1, where it pays (the CPU computes synchronously anyway)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.custom_output_reuse not in ("omit", "recompute"):
@@ -82,6 +86,18 @@ class Engine:
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._stop_cuts: list[tuple[Sequence, int]] = []  # (sequence, output tokens to keep)
         self.columns = SteadyColumns()
+        self.run_ahead = self._wants_run_ahead(options.async_scheduling, runner)
+        self._token_copies = TokenCopies(options.scheduler.max_num_seqs, runner.device)
+        self._ahead: AheadStep | None = None  # the decode step in flight, its host work to do
+        self._finishes = 0  # sequences finished so far (AheadStep.finishes)
+        self.num_ahead_steps = 0  # steps launched ahead of their predecessor's sampling
+
+    @staticmethod
+    def _wants_run_ahead(asked: bool | None, runner: ModelRunner) -> bool:
+        tp = runner.tp.size
+        if asked and tp > 1:  # the other ranks would need the sampled ids on their GPUs
+            raise ValueError(f"async scheduling runs at TP 1 only (TP is {tp})")
+        return runner.device.type == "cuda" and tp == 1 if asked is None else asked
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -103,6 +119,8 @@ class Engine:
                           and not request.watch_stop_strings)
         request.token_columns = (request.single and not params.logprobs
                                  and params.max_new_tokens > 0)
+        request.runs_ahead = (request.token_columns and pos != LAST_GENERATED
+                              and params.batch_draw in ("greedy", "temperature"))
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -126,7 +144,7 @@ class Engine:
         self._ready.append(self._output(request))
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._ready)
+        return self.scheduler.has_work() or bool(self._ready) or self._ahead is not None
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> Outputs:
@@ -136,6 +154,8 @@ class Engine:
             if seq.scoring_reason is not None and not seq.is_finished:
                 truncate_output(seq, kept)
         self._stop_cuts = []
+        if self._ahead is not None and self._step_ahead(outputs):
+            return outputs
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -143,9 +163,67 @@ class Engine:
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
+        draw = ahead_draw(batch) if self.run_ahead and plan.kind is StepKind.DECODE \
+            and len(rows.logit_seqs) == len(batch.seqs) and not rows.custom_seqs else None
+        if draw is not None:
+            temperatures = ([s.request.params.temperature for s in batch.seqs]
+                            if draw == "temperature" else None)
+            self._launch_ahead(batch, result.logits, draw, temperatures)
+            return outputs
         advanced = self._postprocess(batch, plan, rows, result)
         self._collect_outputs(batch, outputs, advanced)
         return outputs
+
+    # ---- steps ahead of their predecessor's sampling (coordinator/run_ahead.py) -----------
+    def _step_ahead(self, outputs: Outputs) -> bool:
+        """Launch the next decode step of the step in flight, if the scheduler's arrays can
+        schedule it, then finish the step in flight. False: the pipeline is drained and the
+        caller schedules the general way."""
+        ahead, self._ahead = self._ahead, None
+        scheduled = self.scheduler.schedule_ahead()
+        if scheduled is not None:
+            batch, keep = scheduled
+            plan, _ = self.planner.build(batch)
+            plan.graph_bucket = self.runner.graph_bucket_for(plan)
+            ids, temperatures = ahead.tokens, ahead.temperatures
+            if keep is not None:  # rows finished since: their successors are dropped
+                ids = ids[torch.from_numpy(keep).to(ids.device, non_blocking=True)]
+                temperatures = temperatures and [temperatures[i] for i in keep.tolist()]
+            result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
+            self._launch_ahead(batch, result.logits, ahead.draw, temperatures)
+        self._finish_ahead(ahead, outputs)
+        return scheduled is not None
+
+    def _launch_ahead(self, batch: ScheduledBatch, logits: torch.Tensor, draw: str,
+                      temperatures: list[float] | None) -> None:
+        tokens = (self.sampler.greedy_tensor(logits) if draw == "greedy"
+                  else self.sampler.temperature_tensor(logits, temperatures))
+        self._ahead = AheadStep(batch, tokens, self._token_copies.start(tokens), draw,
+                                temperatures, self._finishes)
+        self.scheduler.note_advanced(batch, None)
+        self.num_ahead_steps += 1
+
+    def _finish_ahead(self, ahead: AheadStep, outputs: Outputs) -> None:
+        """The host work of a step that ran ahead: its rows whose sequences still run (one
+        that finished or was aborted since has had its final output) take their tokens."""
+        tokens, batch = ahead.pending.wait(), ahead.batch
+        seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
+        every_row = ahead.finishes == self._finishes
+        rows = range(len(seqs)) if every_row else \
+            [i for i, s in enumerate(seqs) if not s.is_finished]
+        for i in rows:
+            seq, computed = seqs[i], context_lens[i]
+            seq.num_computed_tokens = computed
+            if computed % size == 0:
+                self.blocks.register_computed(seq)  # its step filled a block
+        items = [(i, seqs[i]) for i in rows]
+        plain = self._append_plain(items, tokens if every_row else [tokens[i] for i in rows])
+        if every_row:
+            self._collect_outputs(batch, outputs, tokens if plain else None)
+            return
+        self.columns.reset()
+        for request in put_news_in_columns([s for _, s in items], outputs):
+            outputs.outputs.append(self._output(request))
 
     def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
                      result: StepOutput) -> list[int] | None:
@@ -393,6 +471,7 @@ class Engine:
             return
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self._finishes += 1
         self.scheduler.remove(seq)
         if not emit:
             seq.request.sequences.remove(seq)

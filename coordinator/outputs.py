@@ -70,6 +70,10 @@ class SteadyColumns:
         self._serial = -1  # the last batch whose news all went into the columns
         self._ids: list[str] | None = None  # its rows' request ids, once needed
 
+    def reset(self) -> None:
+        """Forget the last batch: the next one's news goes through put_news_in_columns."""
+        self._serial, self._ids = -1, None
+
     def put(self, batch: ScheduledBatch, tokens: list[int] | None,
             outputs: Outputs) -> list[Request]:
         """tokens: each row's one new token when every row gained exactly that, else None.

@@ -94,7 +94,8 @@ class Planner:
         batch.grown_rows changed, by a block each, where the row's new token goes; the
         block-table buffer is brought up to date when the advancing stops)."""
         grown, blocks = batch.grown_rows, batch.grown_blocks
-        plan.input_ids[:] = batch.last_token_ids
+        if batch.last_token_ids is not None:  # else the runner takes them on the device
+            plan.input_ids[:] = batch.last_token_ids
         plan.positions += 1
         plan.context_lens += 1
         plan.slot_mapping += 1  # the slot after the last one, but in a new block:
@@ -267,8 +268,9 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
     slots *= block_size
     slots += positions % block_size
     rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows, arange[:n])
+    ids = batch.last_token_ids  # None: still on the device, where the runner takes them
     plan = StepPlan(
-        kind=StepKind.DECODE, input_ids=np.array(batch.last_token_ids, np.int64),
+        kind=StepKind.DECODE, input_ids=np.zeros(n, np.int64) if ids is None else np.array(ids, np.int64),
         positions=positions.astype(np.int64), slot_mapping=slots,
         query_start_loc=arange.astype(np.int32), context_lens=context_lens,
         block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,

@@ -78,12 +78,18 @@ class Sampler:
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """The argmax of each row: what __call__ picks for rows that are greedy, draw one
-        sample and have no logit processors or logprobs (the generator is not used). On the
-        CPU numpy's argmax is used: the same first-maximum (and first-NaN) rule, much faster."""
+        sample and have no logit processors or logprobs (the generator is not used)."""
+        return self.greedy_tensor(logits).tolist()
+
+    @torch.inference_mode()
+    def greedy_tensor(self, logits: torch.Tensor) -> torch.Tensor:
+        """greedy's tokens as an int64 tensor on the logits' device, with no host sync. On
+        the CPU numpy's argmax is used: the same first-maximum (and first-NaN) rule, much
+        faster."""
         logits = logits.detach().float()
         if logits.device.type == "cpu":
-            return logits.numpy().argmax(axis=1).tolist()
-        return logits.argmax(dim=-1).tolist()
+            return torch.from_numpy(logits.numpy().argmax(axis=1))
+        return logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def sample_plain(self, logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
@@ -95,15 +101,20 @@ class Sampler:
     @torch.inference_mode()
     def sample_temperature(self, logits: torch.Tensor, temperatures: list[float]) -> list[int]:
         """sample_plain for rows that sample with a temperature alone (no top-k, top-p or
-        min-p; SamplingParams.temperature_only), given each row's temperature: on CUDA one
-        Triton pass over the logits (model/kernels/sample.py), elsewhere the torch draw of
-        _choose (softmax, exponential noise from the shared generator)."""
+        min-p; SamplingParams.temperature_only), given each row's temperature."""
+        return self.temperature_tensor(logits, temperatures).tolist()
+
+    @torch.inference_mode()
+    def temperature_tensor(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+        """sample_temperature's tokens as an int64 tensor on the logits' device: on CUDA one
+        Triton pass over the logits (model/kernels/sample.py), with no host sync; elsewhere
+        the torch draw of _choose (softmax, exponential noise from the shared generator)."""
         if logits.is_cuda and HAS_TRITON:
             from model.kernels.sample import gumbel_sample
-            return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31)).tolist()
+            return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31))
         temps = torch.tensor(temperatures, device=logits.device)[:, None]
         probs = (logits.float() / temps).softmax(dim=-1)
-        return (probs / self._exponential_noise(probs)).argmax(dim=-1).tolist()
+        return (probs / self._exponential_noise(probs)).argmax(dim=-1)
 
     def _exponential_noise(self, like: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise shaped like `like`, from the shared generator. On the CPU as

@@ -51,7 +51,9 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
-    last_token_ids: list[int] = field(default_factory=list)  # each sequence's newest token
+    # each sequence's newest token; None when they are still being sampled on the device (a
+    # step scheduled ahead, Scheduler.schedule_ahead: the runner takes them from there)
+    last_token_ids: list[int] | None = field(default_factory=list)
     table_stamps: list[int] = field(default_factory=list)  # block_table_version after appends
     # some row computes a prompt token or scores its last token (LAST_GENERATED)
     has_special_rows: bool = False
@@ -118,7 +120,8 @@ class Scheduler:
         steady, self._steady = self._steady, None
         admits = self.waiting and len(self.running) < self.config.max_num_seqs
         self._serial += 1
-        if steady is not None and not admits and self.running == steady.seqs:
+        if steady is not None and steady.tokens is not None and not admits \
+                and self.running == steady.seqs:
             batch = self._schedule_steady(steady)
             if batch is not None:
                 return batch
@@ -127,16 +130,46 @@ class Scheduler:
         self._admit_waiting(batch, budget)
         return batch
 
-    def note_advanced(self, batch: ScheduledBatch, tokens: list[int]) -> None:
+    def note_advanced(self, batch: ScheduledBatch, tokens: list[int] | None) -> None:
         """The engine's word, after the step of batch, that it was a decode step of every
         running sequence, none special, all Request.single, with no copies or preemptions,
         and that each sequence has since gained exactly its sampled token (tokens, in row
-        order) and nothing else changed: the next step may be scheduled from arrays."""
+        order) and nothing else changed: the next step may be scheduled from arrays.
+        tokens None: they are still being sampled on the device; only schedule_ahead may
+        schedule from the batch then (a sequence that finishes meanwhile leaves `running`)."""
         if batch.all_single and not batch.has_special_rows and not batch.partial \
                 and not batch.block_copies and not batch.preempted:
             self._steady = _SteadyRows(batch.seqs, np.array(batch.context_lens, np.int64),
                                        batch.block_capacities, batch.table_stamps, tokens,
                                        batch.serial)
+
+    def schedule_ahead(self) -> tuple[ScheduledBatch, np.ndarray | None] | None:
+        """The next decode step of the batch noted with note_advanced(batch, None), while
+        that batch's tokens are still being sampled: its rows that still run (a sequence that
+        finished or was aborted since has left `running`), each one token further, from the
+        arrays. Returns the batch and, when rows were dropped, the indices of the rows it
+        keeps in the noted batch (int64). None, changing nothing, when the step needs the
+        general pass, which reads every sequence's tokens: a request waits to be admitted,
+        `running` changed otherwise, or the token budget or the free blocks run short."""
+        steady, self._steady = self._steady, None
+        if steady is None or steady.tokens is not None:
+            return None
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        keep = None
+        if self.running != steady.seqs:
+            kept = [i for i, s in enumerate(steady.seqs) if s.status is SeqStatus.RUNNING]
+            if not kept or [steady.seqs[i] for i in kept] != self.running:
+                return None
+            keep = np.array(kept, np.int64)
+            steady = steady.subset(keep)
+        self._serial += 1
+        batch = self._schedule_steady(steady)
+        if batch is None:
+            return None
+        if keep is not None:  # other rows than the last plan's: the planner builds anew
+            batch.follows = -1
+        return batch, keep
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
@@ -218,13 +251,11 @@ class Scheduler:
         grow = np.flatnonzero(context_lens > capacities)
         if grow.size > self.blocks.num_free_blocks:
             return None
-        stamps, copies, new_blocks = list(steady.stamps), [], []
+        stamps, new_blocks = list(steady.stamps), []
         for i in grow.tolist():  # a new block to write: never a copy for a single request
             seq = seqs[i]
-            copy = self.blocks.append_slot(seq)
-            if copy is not None:
-                copies.append(copy)
-            stamps[i] = seq.block_table_version
+            self.blocks.append_block(seq)  # (the arrays decide: its newest token may be
+            stamps[i] = seq.block_table_version  # still on the device, schedule_ahead)
             new_blocks.append(seq.block_table[-1])
         if grow.size:
             capacities = capacities.copy()
@@ -232,7 +263,7 @@ class Scheduler:
         self.num_steady_steps += 1
         # a grown row's new block holds its newest token, at (context_len - 1) // size
         return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
-                              block_copies=copies, block_capacities=capacities,
+                              block_capacities=capacities,
                               serial=self._serial, follows=steady.serial, grown_rows=grow,
                               grown_cols=(context_lens[grow] - 1) // size,
                               grown_blocks=np.array(new_blocks, np.int64))
@@ -333,5 +364,13 @@ class _SteadyRows:
     context_lens: np.ndarray  # int64
     capacities: np.ndarray | None
     stamps: list[int]
-    tokens: list[int]
+    tokens: list[int] | None  # None: still on the device (Scheduler.schedule_ahead)
     serial: int  # the batch's ScheduledBatch.serial
+
+    def subset(self, rows: np.ndarray) -> "_SteadyRows":
+        """These rows alone (int64 indices, in order)."""
+        return _SteadyRows([self.seqs[i] for i in rows.tolist()], self.context_lens[rows],
+                           None if self.capacities is None else self.capacities[rows],
+                           [self.stamps[i] for i in rows.tolist()],
+                           None if self.tokens is None else [self.tokens[i] for i in rows.tolist()],
+                           self.serial)

@@ -70,10 +70,14 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def replay(self, plan: StepPlan) -> torch.Tensor:
+    def replay(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: the rows' token ids on the device, in place of plan.input_ids."""
         b = self.buckets[plan.graph_bucket]
         n, width = plan.num_seqs, plan.block_tables.shape[1]
-        self._load(self.input_ids, plan.input_ids, n)
+        if input_ids is None:
+            self._load(self.input_ids, plan.input_ids, n)
+        else:
+            self.input_ids[:n].copy_(input_ids)
         self._load(self.positions, plan.positions, n)
         self._load(self.slot_mapping, plan.slot_mapping, n)
         self._load(self.context_lens, plan.context_lens, n)

@@ -144,15 +144,19 @@ class ModelRunner:
 
     # ---- execution ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, kv_caches=None) -> StepOutput | None:
+    def execute(self, plan: StepPlan, kv_caches=None,
+                input_ids: torch.Tensor | None = None) -> StepOutput | None:
+        """input_ids: the plan's token ids already on the device (a step scheduled ahead of
+        its predecessor's sampling, at TP 1), in place of plan.input_ids."""
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         self._copy_blocks(plan.block_copies, kv_caches)
         if plan.num_tokens == 0:
             return None
         if plan.graph_bucket >= 0:
-            hidden = self.graphs.replay(plan)
+            hidden = self.graphs.replay(plan, input_ids)
         else:
-            hidden = self.model(self._tensor(plan.input_ids), self.forward_context(plan, kv_caches))
+            ids = self._tensor(plan.input_ids) if input_ids is None else input_ids
+            hidden = self.model(ids, self.forward_context(plan, kv_caches))
         logits = None
         if plan.logit_rows.size == hidden.shape[0]:  # every row (rows are sorted and distinct):
             logits = self.model.compute_logits(hidden)  # no index, no host copy mid-step

@@ -35,7 +35,7 @@ from coordinator.engine import Engine
 from coordinator.planner import PlanRows, _mixed_plan
 from coordinator.scheduler import ScheduledBatch
 from coordinator.sequence import SeqStatus
-from ranks.plan import _ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepPlan, decode_plan
+from ranks.plan import _ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepKind, StepPlan, decode_plan
 
 
 def block_counts(engine: Engine) -> dict[str, int]:
@@ -105,6 +105,9 @@ def check_engine(engine: Engine) -> None:
 def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size: int,
                blocks: BlockManager | None = None) -> None:
     seqs = batch.seqs
+    if batch.last_token_ids is None:
+        check_ahead_plan(batch, plan, rows, block_size)
+        return
     assert batch.last_token_ids == [s.token_ids[-1] for s in seqs], "newest tokens"
     assert batch.table_stamps == [s.block_table_version for s in seqs], "table stamps"
     special = any(s.scoring_reason is not None or s.num_computed_tokens < s.num_prompt_tokens
@@ -139,6 +142,28 @@ def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size
     assert list(map(id, rows.custom_seqs)) == list(map(id, want_rows.custom_seqs)), "custom rows"
     if plan.wire is not None:
         check_wire(plan)
+
+
+def check_ahead_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
+                     block_size: int) -> None:
+    """A decode plan scheduled ahead (Scheduler.schedule_ahead): every sequence is one
+    token behind it, the token still being sampled (the runner takes the input ids on the
+    device), so each row computes position num_tokens and its context holds one more."""
+    seqs = batch.seqs
+    assert plan.kind is StepKind.DECODE and list(map(id, rows.logit_seqs)) == list(map(id, seqs))
+    assert all(s.status is SeqStatus.RUNNING and s.request.runs_ahead for s in seqs)
+    assert batch.table_stamps == [s.block_table_version for s in seqs], "table stamps"
+    want_lens = [s.num_tokens + 1 for s in seqs]
+    assert batch.context_lens == want_lens and plan.context_lens.tolist() == want_lens
+    assert plan.positions.tolist() == [s.num_tokens for s in seqs], "positions"
+    slots = [s.block_table[p // block_size] * block_size + p % block_size
+             for s, p in zip(seqs, plan.positions.tolist())]
+    assert plan.slot_mapping.tolist() == slots, "slot mapping"
+    for s, table in zip(seqs, plan.block_tables):
+        width = len(s.block_table)
+        assert table[:width].tolist() == s.block_table and not table[width:].any(), "table"
+    assert plan.query_start_loc.tolist() == list(range(len(seqs) + 1))
+    assert not plan.custom_rows.size and not plan.block_copies.size
 
 
 def check_wire(plan: StepPlan) -> None:

@@ -127,3 +127,36 @@ def test_bfloat16_batch1_agreement_with_transformers(tmp_path):
     hf, total, _, _ = _agreement(path, prompts, seqs)
     assert total > 100, total
     assert hf >= 0.99, (hf, total)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_async_scheduling_gives_the_synchronous_tokens(tmp_path, eager):
+    """Steps launched ahead of their predecessor's sampling (the CUDA default at TP 1, with
+    the ids passed on the device and copied home through pinned memory) give the tokens and
+    finishes of the synchronous engine: greedy in float32 with requests ending one by one,
+    and a temperature draw in bfloat16 where every request ends together (the kernel seeds
+    are then drawn in the same order)."""
+    path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
+    prompts = _prompts(512)
+    cases = [("float32", [SamplingParams(max_new_tokens=6 + 5 * i, temperature=0, ignore_eos=True)
+                          for i in range(len(prompts))]),
+             ("bfloat16", SamplingParams(max_new_tokens=24, temperature=0.7, ignore_eos=True))]
+    for dtype, params in cases:
+        got = {}
+        for run_ahead in (False, True):
+            llm = LLM(EngineConfig(model=path, dtype=dtype, device="cuda", enforce_eager=eager,
+                                   max_num_seqs=16, max_model_len=256, async_scheduling=run_ahead,
+                                   seed=3))
+            got[run_ahead] = [(r.outputs[0].token_ids, r.outputs[0].finish_reason)
+                              for r in llm.generate(prompts, params)]
+            assert (llm.engine.num_ahead_steps > 10) == run_ahead, llm.engine.num_ahead_steps
+            assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+            del llm
+        assert got[True] == got[False], dtype
+
+
+def test_async_scheduling_is_the_cuda_default_at_tp1():
+    llm = LLM(EngineConfig(model=None, device="cuda", max_num_seqs=4, max_model_len=128))
+    assert llm.engine.run_ahead
+    llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, temperature=0))
+    assert llm.engine.num_ahead_steps > 5

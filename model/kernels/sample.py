@@ -135,7 +135,9 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float]
         inv_temp: torch.Tensor | float = _LOG2_E / temperatures[0]
     else:
         inv_temp = torch.as_tensor(temperatures, dtype=torch.float32)
-        inv_temp = (_LOG2_E / inv_temp.to(logits.device)).contiguous()
+        if logits.is_cuda:  # pinned: the copy does not wait for the step on the GPU
+            inv_temp = inv_temp.pin_memory().to(logits.device, non_blocking=True)
+        inv_temp = (_LOG2_E / inv_temp).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _launch(logits, inv_temp, out, seed & 0x7FFFFFFF, _splits, _block)

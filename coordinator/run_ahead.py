@@ -1,0 +1,82 @@
+"""Asynchronous scheduling: a decode step launched before its predecessor's tokens are home.
+
+A synchronous step leaves the GPU idle while the host waits for the sampled ids, appends
+them, checks stops, builds the outputs and plans the next step. At TP 1 the engine instead
+keeps one plain decode step in flight (`AheadStep`): its ids are sampled on the device and
+copied to pinned memory, and the next step is scheduled from the scheduler's arrays
+(`Scheduler.schedule_ahead`), which need no token, and launched with those ids as its input
+(`ModelRunner.execute(..., input_ids=)`). Only then does the host wait for the first step's
+ids and do its work, while the GPU runs the second.
+
+A sequence that finishes in a step was already scheduled into the next one: that row's
+compute is wasted (its KV goes to the slot after its last token, in a block it owned and
+that no prefix-cache entry covers) and its token is dropped. Anything the arrays cannot
+schedule (a request to admit, a preemption, a non-plain row) drains the pipeline: the
+in-flight step is finished first and the general pass runs as before. docs/async_scheduling.md
+has the whole contract.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coordinator.scheduler import ScheduledBatch
+
+
+class PendingTokens:
+    """A step's sampled ids on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, ready: torch.cuda.Event | None):
+        self.host, self.ready = host, ready
+
+    def wait(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class TokenCopies:
+    """Device-to-host copies of sampled ids without a sync: two pinned buffers used in turn
+    (one step's copy may still be running while the host reads the step before), each with
+    its event. On the CPU the ids are already home."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._buffers = [torch.empty(rows, dtype=torch.int64, pin_memory=self.cuda)
+                         for _ in range(2 if self.cuda else 0)]
+        self._events = [torch.cuda.Event() for _ in self._buffers]
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor) -> PendingTokens:
+        if not self.cuda:
+            return PendingTokens(tokens, None)
+        host, ready = self._buffers[self._turn][:tokens.shape[0]], self._events[self._turn]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready.record()
+        return PendingTokens(host, ready)
+
+
+@dataclass
+class AheadStep:
+    """A launched decode step whose host work waits for the next step's launch."""
+    batch: ScheduledBatch
+    tokens: torch.Tensor  # int64 [rows] on the device: the next step's input ids
+    pending: PendingTokens
+    draw: str  # "greedy" or "temperature" (Request.batch_draw, the same for every row)
+    temperatures: list[float] | None  # per row, for "temperature"
+    finishes: int  # the engine's finish count at launch: unchanged, every row still runs
+
+
+def ahead_draw(batch: ScheduledBatch) -> str | None:
+    """The one draw every row of a plain decode batch samples by, when the batch may run
+    ahead (each request's Request.runs_ahead, all drawing alike), else None."""
+    if not batch.all_single or batch.has_special_rows or batch.partial \
+            or batch.block_copies or batch.preempted:
+        return None
+    draws = {s.request.batch_draw if s.request.runs_ahead else "" for s in batch.seqs}
+    if len(draws) != 1:
+        return None
+    draw = draws.pop()
+    return draw or None

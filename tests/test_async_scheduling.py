@@ -1,0 +1,156 @@
+"""Asynchronous scheduling (coordinator/run_ahead.py): plain decode steps launched before the
+step before them has its tokens on the host. On the CPU it is off by default (nothing runs
+in parallel there); these engines switch it on so that its bookkeeping runs for real, and
+compare every token and finish with the same engine run synchronously.
+
+The engines are watched (tests/invariants.py): every plan scheduled ahead is checked row by
+row against the sequences one token behind it, the block accounting after every step, and
+no KV block may leak at the end.
+"""
+from __future__ import annotations
+
+import pytest
+
+from coordinator.sampling_params import SamplingParams
+from tests.engine_helpers import count_preemptions, greedy, make_llm, random_prompts, run, token_ids
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from model.demo import ensure_demo_checkpoint
+    return ensure_demo_checkpoint()
+
+
+def _pair(demo_dir, **kwargs):
+    """The same engine synchronous and asynchronous."""
+    kwargs = {"num_kv_blocks": 96, "max_model_len": 256, **kwargs}
+    return (make_llm(demo_dir, async_scheduling=False, **kwargs),
+            make_llm(demo_dir, async_scheduling=True, **kwargs))
+
+
+def _finishes(results) -> list[tuple[list[int], str]]:
+    return [(r.outputs[0].token_ids, r.outputs[0].finish_reason) for r in results]
+
+
+def test_greedy_tokens_and_finishes_equal_the_synchronous_engine(demo_dir):
+    """Lengths that end one by one, and stop tokens that end some requests early: a row
+    finishing in a step was already scheduled into the next one, whose token must vanish."""
+    sync, ahead = _pair(demo_dir)
+    prompts = random_prompts([20, 35, 17, 48, 9, 26], 1000, seed=11)
+    params = [greedy(20 + 7 * i) for i in range(len(prompts))]
+    first = run(sync, prompts, params)
+    for i in (1, 4):  # stop at a token the request generates mid-way
+        params[i] = greedy(20 + 7 * i, stop_token_ids=[first[i].outputs[0].token_ids[9]])
+    want = run(sync, prompts, params)
+    assert [r.outputs[0].finish_reason for r in want].count("stop") == 2
+    got = run(ahead, prompts, params)
+    assert _finishes(got) == _finishes(want)
+    assert ahead.engine.num_ahead_steps > 0.6 * ahead.engine.steps_checked, \
+        (ahead.engine.num_ahead_steps, ahead.engine.steps_checked)
+    assert sync.engine.num_ahead_steps == 0
+
+
+def test_temperature_draws_equal_the_synchronous_engine(demo_dir):
+    """One temperature for all, all ending together: the shared generator draws the same
+    noise in the same order, so the sampled tokens are the synchronous engine's."""
+    sync, ahead = _pair(demo_dir, seed=5)
+    prompts = random_prompts([14, 30, 22], 1000, seed=12)
+    params = SamplingParams(max_new_tokens=25, temperature=0.8, ignore_eos=True)
+    want = run(sync, prompts, params)
+    got = run(ahead, prompts, params)
+    assert token_ids(got) == token_ids(want)
+    assert ahead.engine.num_ahead_steps > 15
+
+
+def test_arrivals_and_rows_that_cannot_run_ahead_drain_the_pipeline(demo_dir):
+    """A request arriving mid-decode is admitted the next step (the pipeline drains for the
+    general pass); a request asking for logprobs keeps its batch synchronous while it runs."""
+    sync, ahead = _pair(demo_dir)
+    prompts = random_prompts([18, 22, 9, 31], 1000, seed=13)
+    outs = {}
+    for llm in (sync, ahead):
+        engine = llm.engine
+        got: dict[str, list[int]] = {}
+        finished: dict[str, int] = {}
+
+        def step():
+            outputs = engine.step()
+            for rid, token in zip(outputs.token_request_ids, outputs.new_token_ids):
+                got.setdefault(rid, []).append(token)
+            for out in outputs.outputs:
+                got.setdefault(out.request_id, []).extend(out.sequences[0].new_token_ids)
+                finished[out.request_id] = finished.get(out.request_id, 0) + out.finished
+
+        for i in range(2):
+            engine.add_request(f"r{i}", prompts[i], greedy(30))
+        for _ in range(6):
+            step()
+        engine.add_request("late", prompts[2], greedy(8))
+        engine.add_request("lp", prompts[3], greedy(6, logprobs=True))
+        while engine.has_work():
+            step()
+        assert finished == {"r0": 1, "r1": 1, "late": 1, "lp": 1}, finished
+        outs[llm is ahead] = got
+    assert outs[True] == outs[False]
+    assert all(len(v) == 30 for k, v in outs[True].items() if k.startswith("r"))
+    assert ahead.engine.num_ahead_steps > 10
+
+
+def test_an_abort_while_a_step_is_in_flight_gets_one_final_output(demo_dir):
+    _, llm = _pair(demo_dir)
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts([18, 22, 27], 1000, seed=14)):
+        engine.add_request(f"r{i}", prompt, greedy(30))
+    for _ in range(5):
+        engine.step()
+    assert engine._ahead is not None, "a step in flight was expected"
+    in_flight = engine.num_ahead_steps
+    engine.abort_request("r1")
+    finals, tokens_after = {}, {}
+    while engine.has_work():
+        step = engine.step()
+        for out in step.outputs:
+            finals[out.request_id] = finals.get(out.request_id, 0) + out.finished
+            if out.request_id == "r1":
+                assert out.finished and out.sequences[0].finish_reason == "abort"
+        for rid in step.token_request_ids:
+            tokens_after[rid] = tokens_after.get(rid, 0) + 1
+    assert finals == {"r1": 1, "r0": 1, "r2": 1}
+    assert "r1" not in tokens_after
+    assert engine.num_ahead_steps > in_flight + 10  # the other two went on running ahead
+
+
+def test_preemption_under_a_tiny_cache_gives_the_tokens_of_a_roomy_one(demo_dir):
+    prompts = random_prompts([30, 26, 33, 21, 40], 1000, seed=15)
+    tiny = make_llm(demo_dir, num_kv_blocks=12, block_size=16, max_model_len=160,
+                    async_scheduling=True)
+    with count_preemptions(tiny) as preempted:
+        got = run(tiny, prompts, greedy(60))
+    assert preempted and tiny.engine.num_ahead_steps > 0
+    roomy = make_llm(demo_dir, num_kv_blocks=128, block_size=16, max_model_len=160,
+                     async_scheduling=False)
+    assert token_ids(got) == token_ids(run(roomy, prompts, greedy(60)))
+
+
+def test_max_model_len_reached_while_running_ahead(demo_dir):
+    """A row at the model's length limit is already scheduled into one more step, whose
+    position is still inside the limit (its own last token's): no table outgrows it."""
+    sync, ahead = _pair(demo_dir, max_model_len=64, block_size=16)
+    prompts = random_prompts([40, 47, 33], 1000, seed=16)
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    want, got = run(sync, prompts, params), run(ahead, prompts, params)
+    assert _finishes(got) == _finishes(want)
+    assert all(len(p) + len(r.outputs[0].token_ids) == 64 for p, r in zip(prompts, got))
+
+
+def test_async_scheduling_is_refused_under_tensor_parallelism():
+    from coordinator.engine import Engine
+    from model.layers import TPGroup
+
+    class Runner:  # only what the choice reads
+        tp = TPGroup(rank=0, size=2)
+        device = __import__("torch").device("cpu")
+
+    with pytest.raises(ValueError, match="TP 1 only"):
+        Engine._wants_run_ahead(True, Runner())
+    assert Engine._wants_run_ahead(None, Runner()) is False
