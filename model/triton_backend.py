@@ -21,14 +21,19 @@ MAX_KV_SPLITS = 64
 # than they hide
 PROGRAMS_PER_SM = 32
 TOKENS_PER_SPLIT = 256  # of the context limit: bounds the split count (see the policy)
+# a batch with at least this many (sequence, KV head) programs per SM takes one split: the
+# kernel then writes the output itself, no partials, no merge launch (docs/benchmarks.md,
+# 11th session: at batch 256 x 8 KV heads one split beat two by 8.5 % at context 1K and
+# tied at contexts 100-2048; at batch 128 two to four splits still won on mixed contexts)
+ONE_SPLIT_PROGRAMS_PER_SM = 12
 
 
 def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int], int]:
     """splits(batch, kv_heads): the decode KV split count, the largest power of two for
     which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM, capped at
     ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS. A large batch fills the GPU alone (batch 256 x 8 KV heads: 2 splits on
-    132 SMs); a small one takes more. Powers of two only: each count is a kernel variant to
+    MAX_KV_SPLITS; and 1 from ONE_SPLIT_PROGRAMS_PER_SM programs per SM without splitting
+    (batch 198 and up at 8 KV heads on 132 SMs). A small batch takes more splits. Powers of two only: each count is a kernel variant to
     compile (a handful, not one per batch size). Fewer KV heads never mean fewer splits, so
     a workspace sized for one KV head fits every batch."""
     import triton
@@ -38,6 +43,8 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
         max_model_len, tokens_per_split=TOKENS_PER_SPLIT, max_splits=MAX_KV_SPLITS))
 
     def splits(batch: int, kv_heads: int) -> int:
+        if batch * kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * num_sms:
+            return 1
         want = max(1, PROGRAMS_PER_SM * num_sms // (batch * kv_heads))
         return min(cap, 1 << (want.bit_length() - 1))
     return splits

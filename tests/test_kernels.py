@@ -94,6 +94,22 @@ def check_decode(ctx_lens: list[int], shape: tuple[int, int, int, int], dtype: t
            f"decode ctx={ctx_lens} shape={shape} {dtype} splits={num_kv_splits}")
 
 
+def check_decode_workspace_reuse(device: str) -> None:
+    """One workspace over launches of other batches and contexts, at 4 splits and at 1 (which
+    writes the output itself and leaves the workspace alone)."""
+    from model.kernels import make_decode_workspace, paged_decode_attention
+    for splits in (4, 1):
+        ws = make_decode_workspace(4, 8, 64, splits, device)
+        for seed, lens in enumerate(([7, 90, 33, 1], [64, 0, 5], [130])):
+            q, k_cache, v_cache, meta = _make_case(lens, [1] * len(lens), 2, 4, 64, 16,
+                                                   torch.float32, device, seed)
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                         meta.context_lens, 0.125, num_kv_splits=splits,
+                                         workspace=ws)
+            _check(out, _reference(q, k_cache, v_cache, meta, 0.125), torch.float32,
+                   f"decode reusing a workspace, splits={splits}, ctx={lens}")
+
+
 def check_extend(prefix_lens: list[int], q_lens: list[int], shape: tuple[int, int, int, int],
                  dtype: torch.dtype, device: str, seed: int = 0, strided: bool = False) -> None:
     from model.kernels import extend_attention
@@ -199,6 +215,7 @@ def _cpu_decode() -> None:
                  strided=True)
     check_decode([1, 40, 130], (1, 8, 64, 16), torch.float16, "cpu", num_kv_splits=16, seed=2)
     check_decode(CPU_DECODE_CTX, (2, 4, 64, 16), torch.float32, "cpu", num_kv_splits=1, seed=3)
+    check_decode_workspace_reuse("cpu")
     # a padded CUDA-graph row (context 0) must give zeros, not NaN
     from model.kernels import paged_decode_attention
     q, k_cache, v_cache, meta = _make_case([5, 1], [1, 1], 1, 4, 64, 16, torch.float32, "cpu")
@@ -353,15 +370,16 @@ def test_decode_cuda_graph_replay() -> None:
 # ---------------------------------------------------------------- decode split policy
 @needs_triton
 def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
-    """Powers of two only (each is a kernel variant): batch x KV heads x splits stays at or
+    """Powers of two only (each is a kernel variant); one split from ONE_SPLIT_PROGRAMS_PER_SM
+    programs per SM; otherwise batch x KV heads x splits stays at or
     under PROGRAMS_PER_SM per SM and is the largest such power of two, unless the context
     limit caps the count (one split per TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS);
     fewer KV heads never mean fewer splits, so the backend's workspace, sized for one KV
     head, fits every batch."""
     import triton
 
-    from model.triton_backend import (MAX_KV_SPLITS, PROGRAMS_PER_SM, TOKENS_PER_SPLIT,
-                                      decode_split_policy)
+    from model.triton_backend import (MAX_KV_SPLITS, ONE_SPLIT_PROGRAMS_PER_SM, PROGRAMS_PER_SM,
+                                      TOKENS_PER_SPLIT, decode_split_policy)
     sms = 132
     for limit in (1200, 4096, 40960):
         splits = decode_split_policy(limit, num_sms=sms)
@@ -370,11 +388,15 @@ def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
                 assert 1 <= s <= cap and s & (s - 1) == 0
+                if batch * kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * sms:
+                    assert s == 1  # a full grid unsplit: no partials, no merge
+                    continue
                 programs = batch * kv_heads * s
                 assert s == 1 or programs <= PROGRAMS_PER_SM * sms
                 assert s == cap or 2 * programs > PROGRAMS_PER_SM * sms
                 assert s <= splits(batch, 1)
-    assert decode_split_policy(4096, sms)(256, 8) == 2  # the measured best at batch 256
+    assert decode_split_policy(4096, sms)(256, 8) == 1  # measured: no worse than 2 at batch 256
+    assert decode_split_policy(4096, sms)(128, 8) == 4  # measured best at contexts 100-2048
     assert decode_split_policy(40960, sms)(1, 8) == MAX_KV_SPLITS
 
 

@@ -14,9 +14,10 @@ contexts only use the first few splits; empty splits write lse = -inf. Each prog
 normalised partial output and its log2-sum-exp to the workspace:
     partial_out [>=B, H, splits, D] float32, partial_lse [>=B, H, splits] float32 (base 2,
     of the scores already multiplied by scale * log2(e)).
-Stage 2, grid (B, H): merges the splits of one (sequence, head) into out [B, H, D].
+Stage 2, grid (B, H): merges the splits of one (sequence, head) into out [B, H, D]. With one
+split there is nothing to merge: stage 1 writes out itself and stage 2 is not launched.
 
-Neither grid depends on the context lengths, so both launches are CUDA-graph capturable when
+Neither grid depends on the context lengths, so the launches are CUDA-graph capturable when
 the workspace is allocated once (`make_decode_workspace`) and passed in.
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ DEFAULT_NUM_KV_SPLITS = 16
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    part_out_ptr, part_lse_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr,
     qk_scale,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -44,6 +45,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fd,
     group_size, head_dim,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -102,9 +104,15 @@ def _decode_split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
 
+    gd_mask = mask_g[:, None] & mask_d[None, :]
+    f_ptrs = (out_ptr + b.to(tl.int64) * stride_fb + heads[:, None] * stride_fh
+              + offs_d[None, :] * stride_fd)
+    if NUM_SPLITS == 1:  # the whole context in one program: no partial, no merge
+        tl.store(f_ptrs, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
+        return
     o_ptrs = (part_out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
               + split * stride_os + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, out, mask=gd_mask)
     l_ptrs = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split * stride_ls
     tl.store(l_ptrs, lse, mask=mask_g)
 
@@ -200,16 +208,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, warps, stages = config or decode_config(k_cache.element_size())
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, out,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
-        *part_out.stride(), *part_lse.stride(),
+        *part_out.stride(), *part_lse.stride(), *out.stride(),
         group, head_dim,
         NUM_SPLITS=num_kv_splits, PAGE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_precision(k_cache.dtype),
         num_warps=warps, num_stages=stages, **pdl_options(q),
     )
+    if num_kv_splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         *part_out.stride(), *part_lse.stride(), *out.stride(),
