@@ -1,7 +1,8 @@
 """The engine on rank 0: requests in, one step at a time, outputs out.
 
 Each step: schedule -> build the plan -> hand it to every rank (broadcast) -> run rank 0's
-forward -> custom outputs, sampling, forks and beams -> outputs. `Engine.generate` in
+forward -> custom outputs, sampling, forks and beams (coordinator/engine_tokens.py) ->
+outputs. A plain decode step may run ahead of its sampling (coordinator/run_ahead.py). `Engine.generate` in
 coordinator/offline.py drives it for offline use; coordinator/loop.py drives it for serving.
 """
 from __future__ import annotations
@@ -24,12 +25,13 @@ from coordinator.output_dispatch import OutputDispatcher
 from coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
 from coordinator.planner import PlanRows, Planner
 from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw
-from coordinator.sampler import SampleRow, Sampler
+from coordinator.engine_tokens import TokenSteps
+from coordinator.sampler import Sampler
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
+from coordinator.sequence import Request, Sequence, SequenceFactory
 from coordinator.validation import validate_prompt
-from coordinator.stop_strings import kept_output_tokens, truncate_output, watches_stop_strings
+from coordinator.stop_strings import truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
 from ranks.plan import StepKind, StepPlan
 from ranks.runner import ModelRunner, StepOutput
@@ -56,7 +58,7 @@ class EngineOptions:
             raise ValueError("custom_output_reuse must be omit or recompute")
 
 
-class Engine:
+class Engine(TokenSteps):
     def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
                  send_plan: Callable[[StepPlan], None] = lambda plan: None,
                  text_decoder: Decoder | None = None):
@@ -89,7 +91,7 @@ class Engine:
         self.run_ahead = self._wants_run_ahead(options.async_scheduling, runner)
         self._token_copies = TokenCopies(options.scheduler.max_num_seqs, runner.device)
         self._ahead: AheadStep | None = None  # the decode step in flight, its host work to do
-        self._finishes = 0  # sequences finished so far (AheadStep.finishes)
+        self._num_finished = 0  # sequences finished so far (AheadStep.num_finished_at_launch)
         self.num_ahead_steps = 0  # steps launched ahead of their predecessor's sampling
 
     @staticmethod
@@ -154,7 +156,10 @@ class Engine:
             if seq.scoring_reason is not None and not seq.is_finished:
                 truncate_output(seq, kept)
         self._stop_cuts = []
-        if self._ahead is not None and self._step_ahead(outputs):
+        if self._ahead is not None:
+            # one step's host work per call: a drained step's column news must not share an
+            # Outputs with a later full output of the same request (columns are read last)
+            self._step_ahead(outputs)
             return outputs
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -163,8 +168,7 @@ class Engine:
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
-        draw = ahead_draw(batch) if self.run_ahead and plan.kind is StepKind.DECODE \
-            and len(rows.logit_seqs) == len(batch.seqs) and not rows.custom_seqs else None
+        draw = self._ahead_draw(batch, plan, rows)
         if draw is not None:
             temperatures = ([s.request.params.temperature for s in batch.seqs]
                             if draw == "temperature" else None)
@@ -175,10 +179,18 @@ class Engine:
         return outputs
 
     # ---- steps ahead of their predecessor's sampling (coordinator/run_ahead.py) -----------
-    def _step_ahead(self, outputs: Outputs) -> bool:
+    def _ahead_draw(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows) -> str | None:
+        """The draw by which this step's tokens stay on the device while the next step is
+        launched, or None (the step is finished synchronously)."""
+        if not self.run_ahead or plan.kind is not StepKind.DECODE or rows.custom_seqs \
+                or len(rows.logit_seqs) != len(batch.seqs):
+            return None
+        return ahead_draw(batch)
+
+    def _step_ahead(self, outputs: Outputs) -> None:
         """Launch the next decode step of the step in flight, if the scheduler's arrays can
-        schedule it, then finish the step in flight. False: the pipeline is drained and the
-        caller schedules the general way."""
+        schedule it (else the pipeline drains: the next call schedules the general way),
+        then finish the step in flight."""
         ahead, self._ahead = self._ahead, None
         scheduled = self.scheduler.schedule_ahead()
         if scheduled is not None:
@@ -187,19 +199,18 @@ class Engine:
             plan.graph_bucket = self.runner.graph_bucket_for(plan)
             ids, temperatures = ahead.tokens, ahead.temperatures
             if keep is not None:  # rows finished since: their successors are dropped
-                ids = ids[torch.from_numpy(keep).to(ids.device, non_blocking=True)]
+                ids = ids[self._token_copies.to_device(keep)]
                 temperatures = temperatures and [temperatures[i] for i in keep.tolist()]
             result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
             self._launch_ahead(batch, result.logits, ahead.draw, temperatures)
         self._finish_ahead(ahead, outputs)
-        return scheduled is not None
 
     def _launch_ahead(self, batch: ScheduledBatch, logits: torch.Tensor, draw: str,
                       temperatures: list[float] | None) -> None:
         tokens = (self.sampler.greedy_tensor(logits) if draw == "greedy"
                   else self.sampler.temperature_tensor(logits, temperatures))
         self._ahead = AheadStep(batch, tokens, self._token_copies.start(tokens), draw,
-                                temperatures, self._finishes)
+                                temperatures, self._num_finished)
         self.scheduler.note_advanced(batch, None)
         self.num_ahead_steps += 1
 
@@ -208,8 +219,8 @@ class Engine:
         that finished or was aborted since has had its final output) take their tokens."""
         tokens, batch = ahead.pending.wait(), ahead.batch
         seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
-        every_row = ahead.finishes == self._finishes
-        rows = range(len(seqs)) if every_row else \
+        none_finished = ahead.num_finished_at_launch == self._num_finished
+        rows = range(len(seqs)) if none_finished else \
             [i for i, s in enumerate(seqs) if not s.is_finished]
         for i in rows:
             seq, computed = seqs[i], context_lens[i]
@@ -217,8 +228,8 @@ class Engine:
             if computed % size == 0:
                 self.blocks.register_computed(seq)  # its step filled a block
         items = [(i, seqs[i]) for i in rows]
-        plain = self._append_plain(items, tokens if every_row else [tokens[i] for i in rows])
-        if every_row:
+        plain = self._append_plain(items, tokens if none_finished else [tokens[i] for i in rows])
+        if none_finished:
             self._collect_outputs(batch, outputs, tokens if plain else None)
             return
         self.columns.reset()
@@ -299,192 +310,7 @@ class Engine:
                 and seq.num_computed_tokens == seq.num_tokens:
             self._finish_seq(seq, "length")
 
-    # ---- sampling, forks, beams ---------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> list[int] | None:
-        """Sample every live row; returns the tokens when one draw served the whole batch
-        and no row needed a stop check (each sequence just gained its token)."""
-        draws = {s.request.batch_draw for _, s in live}
-        if "" not in draws:  # the usual decode step: one draw for the whole batch
-            return self._draw_batch(logits, live, draws)
-        if all([s.request.params.num_beams == 1 for _, s in live]):
-            self._sample_rows(logits, live)  # no beams
-            return None
-        beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
-        plain = []
-        for i, seq in live:
-            (beam_groups.setdefault(seq.request, []) if seq.request.params.num_beams > 1
-             else plain).append((i, seq))
-        if plain:
-            self._sample_rows(logits, plain)
-        for request, group in beam_groups.items():
-            idx = torch.tensor([i for i, _ in group], device=logits.device)
-            self._apply_beam_step(request, [s for _, s in group], logits[idx])
-        return None
-
-    def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
-                    draws: set[str]) -> list[int] | None:
-        """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
-        or one draw for the whole batch. Returns the tokens if no row needed a stop check."""
-        if len(items) != logits.shape[0]:
-            logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
-        if draws == {"greedy"}:
-            tokens = self.sampler.greedy(logits)
-        elif draws == {"temperature"}:
-            tokens = self.sampler.sample_temperature(
-                logits, [s.request.params.temperature for _, s in items])
-        else:
-            tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
-        return tokens if self._append_plain(items, tokens) else None
-
-    def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
-        """A SampleRow per row; forks an unforked request into its n samples."""
-        rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
-                          self.options.eos_token_ids, seed_key=s.index,
-                          num_samples=1 if s.request.forked else s.request.params.n)
-                for _, s in items]
-        idx = torch.tensor([i for i, _ in items], device=logits.device)
-        result = self.sampler(logits[idx], rows)
-        for k, (_, seq) in enumerate(items):
-            targets = [seq]
-            if not seq.request.forked:
-                targets += self._fork(seq, seq.request.params.n - 1)
-                seq.request.forked = True
-                seq.request.batch_draw = seq.request.params.batch_draw
-            for j, target in enumerate(targets):
-                top = result.top_logprobs[k][j] if result.top_logprobs else None
-                self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
-
-    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> bool:
-        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined.
-        True when no row needed the stop check."""
-        plain = True
-        for (_, seq), token in zip(items, tokens):
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            request = seq.request
-            if token in request.stop_token_set or len(token_ids) >= request.max_total_tokens:
-                self._check_stop(seq, token)
-                plain = False
-        return plain
-
-    def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
-        children = []
-        request = parent.request
-        for j in range(count_):
-            index = (first_index if first_index is not None else 1) + j
-            child = self.seqs.fork(parent, index)
-            self.blocks.fork(parent, child)
-            request.sequences.append(child)
-            if child.status is SeqStatus.RUNNING:
-                self.scheduler.running.append(child)
-            children.append(child)
-        return children
-
-    def _apply_beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
-        request.forked = True
-        before = {id(h) for h in request.beam_state.finished} if request.beam_state else set()
-        running, done = self.beams.step(request, beams, logits, self.options.eos_token_ids,
-                                        self.options.max_model_len)
-        if request.custom_position == LAST_GENERATED:
-            self._score_hypotheses(request, beams, before)
-        if done:
-            for seq in beams:
-                self._finish_seq(seq, "length")
-            return
-        used: set[int] = set()
-        assignments = []
-        for parent_pos, token, score in running:
-            parent = beams[parent_pos]
-            target = parent if parent_pos not in used else self._fork(parent, 1, first_index=0)[0]
-            used.add(parent_pos)
-            assignments.append((target, token, score))
-        for pos, parent in enumerate(beams):
-            if pos not in used:
-                self._finish_seq(parent, "pruned", emit=False)
-        for i, (target, token, score) in enumerate(assignments):
-            target.index = i
-            self._append(target, token, None, None, score=score)
-
-    def _score_hypotheses(self, request: Request, beams: list[Sequence], before: set[int]) -> None:
-        """LAST_GENERATED with beams: each newly finished hypothesis gets a fork of its parent
-        beam (sharing its KV) holding the hypothesis' last token, scored in the next step."""
-        for h in request.beam_state.finished:
-            if id(h) in before:
-                continue
-            fork = self._fork(beams[h.parent], 1, first_index=len(request.sequences))[0]
-            fork.token_ids.append(h.token_ids[-1])
-            fork.scoring_reason, fork.hypothesis = h.finish_reason, h
-
-    def _append(self, seq: Sequence, token: int, logprob: float | None, top, score=None) -> None:
-        seq.token_ids.append(token)
-        if score is not None:
-            seq.cumulative_logprob = score
-        elif logprob is not None:
-            seq.cumulative_logprob += logprob
-        params = seq.request.params
-        if params.logprobs and logprob is not None:
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top or [])
-        if params.num_beams == 1:
-            self._check_stop(seq, token)
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        watch = seq.request.watch_stop_strings
-        if watch and self._cut_by_stop_string(seq):
-            return
-        reason = self._stop_reason(seq, token)
-        if reason and watch and self._cut_by_stop_string(seq, final=True):
-            return  # a stop string in the characters held until the end
-        if reason:
-            self._finish_seq(seq, reason)
-
-    def _cut_by_stop_string(self, seq: Sequence, final: bool = False) -> bool:
-        """A stop string matched: finish "stop"; the last kept token is scored in the next
-        step (none kept: no value). The tokens after it are dropped only once this step's
-        output carried them, so the API process sees the same tokens and cuts its text at
-        the same place."""
-        kept = kept_output_tokens(seq, self.text_decoder, final)
-        if kept is None:
-            return False
-        if kept:
-            self._stop_cuts.append((seq, kept))
-        self._finish_seq(seq, "stop", score=kept > 0)
-        return True
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.request.params
-        num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens
-        if num_output >= p.min_tokens:
-            if (not p.ignore_eos and token in self.options.eos_token_ids) or token in p.stop_token_ids:
-                return "stop"
-        if num_output >= p.max_new_tokens or num_tokens >= self.options.max_model_len:
-            return "length"
-        return None
-
     # ---- finishing -----------------------------------------------------------------------
-    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True, score: bool = True) -> None:
-        if seq.is_finished:
-            return
-        if reason in ("stop", "length") and score and self._scores_last_token(seq):
-            seq.scoring_reason = reason  # held back: the next step computes its last token
-            return
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self._finishes += 1
-        self.scheduler.remove(seq)
-        if not emit:
-            seq.request.sequences.remove(seq)
-
-    @staticmethod
-    def _scores_last_token(seq: Sequence) -> bool:
-        """LAST_GENERATED: a finishing sequence (not a beam: beams score their hypotheses)
-        stays running one more step, its last token computed for the handler, no logits."""
-        request = seq.request
-        return (request.custom_position == LAST_GENERATED and request.params.num_beams == 1
-                and seq.scoring_reason is None and seq.num_output_tokens > 0
-                and request.error_code is None)
-
     def _finish_request(self, request: Request, reason: str) -> None:
         self.scheduler.drop_waiting(request)
         for seq in request.live_sequences:

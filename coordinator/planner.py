@@ -94,6 +94,9 @@ class Planner:
         batch.grown_rows changed, by a block each, where the row's new token goes; the
         block-table buffer is brought up to date when the advancing stops)."""
         grown, blocks = batch.grown_rows, batch.grown_blocks
+        # Writing over the arrays of a plan whose step may still be queued on the GPU (a
+        # step run ahead, coordinator/run_ahead.py) is safe: the runner's copies come from
+        # pageable memory, which CUDA stages before cudaMemcpyAsync returns.
         if batch.last_token_ids is not None:  # else the runner takes them on the device
             plan.input_ids[:] = batch.last_token_ids
         plan.positions += 1

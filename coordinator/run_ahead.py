@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from coordinator.scheduler import ScheduledBatch
@@ -42,11 +43,19 @@ class TokenCopies:
     its event. On the CPU the ids are already home."""
 
     def __init__(self, rows: int, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self._buffers = [torch.empty(rows, dtype=torch.int64, pin_memory=self.cuda)
                          for _ in range(2 if self.cuda else 0)]
         self._events = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
+
+    def to_device(self, rows: np.ndarray) -> torch.Tensor:
+        """An int64 index array on the ids' device, through pinned memory on CUDA (a
+        pageable copy may wait for the GPU)."""
+        index = torch.from_numpy(rows)
+        if not self.cuda:
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
         if not self.cuda:
@@ -66,7 +75,7 @@ class AheadStep:
     pending: PendingTokens
     draw: str  # "greedy" or "temperature" (Request.batch_draw, the same for every row)
     temperatures: list[float] | None  # per row, for "temperature"
-    finishes: int  # the engine's finish count at launch: unchanged, every row still runs
+    num_finished_at_launch: int  # the engine's finish count then: unchanged, every row runs
 
 
 def ahead_draw(batch: ScheduledBatch) -> str | None:

@@ -112,7 +112,10 @@ class Sampler:
         if logits.is_cuda and HAS_TRITON:
             from model.kernels.sample import gumbel_sample
             return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31))
-        temps = torch.tensor(temperatures, device=logits.device)[:, None]
+        temps = torch.tensor(temperatures)
+        if logits.is_cuda:  # pinned: the copy does not wait for the step on the GPU
+            temps = temps.pin_memory()
+        temps = temps.to(logits.device, non_blocking=True)[:, None]
         probs = (logits.float() / temps).softmax(dim=-1)
         return (probs / self._exponential_noise(probs)).argmax(dim=-1)
 

@@ -148,9 +148,11 @@ class Scheduler:
         that batch's tokens are still being sampled: its rows that still run (a sequence that
         finished or was aborted since has left `running`), each one token further, from the
         arrays. Returns the batch and, when rows were dropped, the indices of the rows it
-        keeps in the noted batch (int64). None, changing nothing, when the step needs the
-        general pass, which reads every sequence's tokens: a request waits to be admitted,
-        `running` changed otherwise, or the token budget or the free blocks run short."""
+        keeps in the noted batch (int64). None when the step needs the general pass, which
+        reads every sequence's tokens (a request waits to be admitted, `running` changed
+        otherwise, or the token budget or the free blocks run short): no block is taken and
+        no sequence touched, the noted batch is forgotten, and the caller must finish the
+        step in flight before it calls schedule()."""
         steady, self._steady = self._steady, None
         if steady is None or steady.tokens is not None:
             return None

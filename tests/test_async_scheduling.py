@@ -74,10 +74,8 @@ def test_arrivals_and_rows_that_cannot_run_ahead_drain_the_pipeline(demo_dir):
         finished: dict[str, int] = {}
 
         def step():
-            outputs = engine.step()
-            for rid, token in zip(outputs.token_request_ids, outputs.new_token_ids):
-                got.setdefault(rid, []).append(token)
-            for out in outputs.outputs:
+            for out in engine.step():  # wire.Outputs' order: full outputs, then the columns
+                assert not finished.get(out.request_id), f"news after {out.request_id}'s end"
                 got.setdefault(out.request_id, []).extend(out.sequences[0].new_token_ids)
                 finished[out.request_id] = finished.get(out.request_id, 0) + out.finished
 
@@ -94,6 +92,34 @@ def test_arrivals_and_rows_that_cannot_run_ahead_drain_the_pipeline(demo_dir):
     assert outs[True] == outs[False]
     assert all(len(v) == 30 for k, v in outs[True].items() if k.startswith("r"))
     assert ahead.engine.num_ahead_steps > 10
+
+
+@pytest.mark.parametrize("arrival_step", range(2, 16))
+def test_an_arrival_draining_the_pipeline_keeps_each_request_in_order(demo_dir, arrival_step):
+    """A request arrives at each step in turn while r0 and r1 decode, so that the drain
+    lands on r0's last steps too: wire.Outputs is read full outputs first, columns last, so
+    one engine step must never hold a drained step's column token and a later final output
+    of the same request (found in review: r0's last two tokens came out swapped)."""
+    prompts = random_prompts([18, 22, 9], 1000, seed=13)
+    results = {}
+    for run_ahead in (False, True):
+        engine = make_llm(demo_dir, num_kv_blocks=96, max_model_len=256,
+                          async_scheduling=run_ahead).engine
+        engine.add_request("r0", prompts[0], greedy(12))
+        engine.add_request("r1", prompts[1], greedy(40))
+        got: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_work():
+            if steps == arrival_step:
+                engine.add_request("late", prompts[2], greedy(5))
+            for out in engine.step():
+                assert out.request_id not in results.get(run_ahead, {}), "news after the end"
+                got.setdefault(out.request_id, []).extend(out.sequences[0].new_token_ids)
+                if out.finished:
+                    results.setdefault(run_ahead, {})[out.request_id] = got[out.request_id]
+            steps += 1
+        assert sorted(results[run_ahead]) == ["late", "r0", "r1"]
+    assert results[True] == results[False]
 
 
 def test_an_abort_while_a_step_is_in_flight_gets_one_final_output(demo_dir):

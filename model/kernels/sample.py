@@ -135,7 +135,7 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float]
         inv_temp: torch.Tensor | float = _LOG2_E / temperatures[0]
     else:
         inv_temp = torch.as_tensor(temperatures, dtype=torch.float32)
-        if logits.is_cuda:  # pinned: the copy does not wait for the step on the GPU
+        if logits.is_cuda and inv_temp.device.type == "cpu":  # pinned: no wait for the GPU
             inv_temp = inv_temp.pin_memory().to(logits.device, non_blocking=True)
         inv_temp = (_LOG2_E / inv_temp).contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)

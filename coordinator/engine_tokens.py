@@ -1,0 +1,221 @@
+"""Turning a step's logits into tokens on rank 0: sampling, forks (n > 1), beams, appends,
+stop checks and finishing a sequence.
+
+`TokenSteps` is the base class of `coordinator.engine.Engine`, split out to keep each file
+readable; it uses the engine's attributes declared below (set in `Engine.__init__`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from coordinator.beam_search import BeamSearch
+from coordinator.blocks import BlockManager
+from coordinator.custom_outputs import LAST_GENERATED
+from coordinator.sampler import SampleRow, Sampler
+from coordinator.scheduler import Scheduler
+from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
+from coordinator.stop_strings import kept_output_tokens
+
+if TYPE_CHECKING:
+    from coordinator.engine import EngineOptions
+
+
+class TokenSteps:
+    """Sampling and stop handling of the engine (see coordinator/engine.py)."""
+    options: EngineOptions
+    scheduler: Scheduler
+    blocks: BlockManager
+    sampler: Sampler
+    beams: BeamSearch
+    seqs: SequenceFactory
+    text_decoder: object | None
+    _stop_cuts: list[tuple[Sequence, int]]
+    _num_finished: int
+
+    # ---- sampling, forks, beams ---------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> list[int] | None:
+        """Sample every live row; returns the tokens when one draw served the whole batch
+        and no row needed a stop check (each sequence just gained its token)."""
+        draws = {s.request.batch_draw for _, s in live}
+        if "" not in draws:  # the usual decode step: one draw for the whole batch
+            return self._draw_batch(logits, live, draws)
+        if all([s.request.params.num_beams == 1 for _, s in live]):
+            self._sample_rows(logits, live)  # no beams
+            return None
+        beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
+        plain = []
+        for i, seq in live:
+            (beam_groups.setdefault(seq.request, []) if seq.request.params.num_beams > 1
+             else plain).append((i, seq))
+        if plain:
+            self._sample_rows(logits, plain)
+        for request, group in beam_groups.items():
+            idx = torch.tensor([i for i, _ in group], device=logits.device)
+            self._apply_beam_step(request, [s for _, s in group], logits[idx])
+        return None
+
+    def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
+                    draws: set[str]) -> list[int] | None:
+        """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
+        or one draw for the whole batch. Returns the tokens if no row needed a stop check."""
+        if len(items) != logits.shape[0]:
+            logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
+        if draws == {"greedy"}:
+            tokens = self.sampler.greedy(logits)
+        elif draws == {"temperature"}:
+            tokens = self.sampler.sample_temperature(
+                logits, [s.request.params.temperature for _, s in items])
+        else:
+            tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
+        return tokens if self._append_plain(items, tokens) else None
+
+    def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
+        """A SampleRow per row; forks an unforked request into its n samples."""
+        rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
+                          self.options.eos_token_ids, seed_key=s.index,
+                          num_samples=1 if s.request.forked else s.request.params.n)
+                for _, s in items]
+        idx = torch.tensor([i for i, _ in items], device=logits.device)
+        result = self.sampler(logits[idx], rows)
+        for k, (_, seq) in enumerate(items):
+            targets = [seq]
+            if not seq.request.forked:
+                targets += self._fork(seq, seq.request.params.n - 1)
+                seq.request.forked = True
+                seq.request.batch_draw = seq.request.params.batch_draw
+            for j, target in enumerate(targets):
+                top = result.top_logprobs[k][j] if result.top_logprobs else None
+                self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
+
+    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> bool:
+        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined.
+        True when no row needed the stop check."""
+        plain = True
+        for (_, seq), token in zip(items, tokens):
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            request = seq.request
+            if token in request.stop_token_set or len(token_ids) >= request.max_total_tokens:
+                self._check_stop(seq, token)
+                plain = False
+        return plain
+
+    def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
+        children = []
+        request = parent.request
+        for j in range(count_):
+            index = (first_index if first_index is not None else 1) + j
+            child = self.seqs.fork(parent, index)
+            self.blocks.fork(parent, child)
+            request.sequences.append(child)
+            if child.status is SeqStatus.RUNNING:
+                self.scheduler.running.append(child)
+            children.append(child)
+        return children
+
+    def _apply_beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
+        request.forked = True
+        before = {id(h) for h in request.beam_state.finished} if request.beam_state else set()
+        running, done = self.beams.step(request, beams, logits, self.options.eos_token_ids,
+                                        self.options.max_model_len)
+        if request.custom_position == LAST_GENERATED:
+            self._score_hypotheses(request, beams, before)
+        if done:
+            for seq in beams:
+                self._finish_seq(seq, "length")
+            return
+        used: set[int] = set()
+        assignments = []
+        for parent_pos, token, score in running:
+            parent = beams[parent_pos]
+            target = parent if parent_pos not in used else self._fork(parent, 1, first_index=0)[0]
+            used.add(parent_pos)
+            assignments.append((target, token, score))
+        for pos, parent in enumerate(beams):
+            if pos not in used:
+                self._finish_seq(parent, "pruned", emit=False)
+        for i, (target, token, score) in enumerate(assignments):
+            target.index = i
+            self._append(target, token, None, None, score=score)
+
+    def _score_hypotheses(self, request: Request, beams: list[Sequence], before: set[int]) -> None:
+        """LAST_GENERATED with beams: each newly finished hypothesis gets a fork of its parent
+        beam (sharing its KV) holding the hypothesis' last token, scored in the next step."""
+        for h in request.beam_state.finished:
+            if id(h) in before:
+                continue
+            fork = self._fork(beams[h.parent], 1, first_index=len(request.sequences))[0]
+            fork.token_ids.append(h.token_ids[-1])
+            fork.scoring_reason, fork.hypothesis = h.finish_reason, h
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top, score=None) -> None:
+        seq.token_ids.append(token)
+        if score is not None:
+            seq.cumulative_logprob = score
+        elif logprob is not None:
+            seq.cumulative_logprob += logprob
+        params = seq.request.params
+        if params.logprobs and logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
+        if params.num_beams == 1:
+            self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        watch = seq.request.watch_stop_strings
+        if watch and self._cut_by_stop_string(seq):
+            return
+        reason = self._stop_reason(seq, token)
+        if reason and watch and self._cut_by_stop_string(seq, final=True):
+            return  # a stop string in the characters held until the end
+        if reason:
+            self._finish_seq(seq, reason)
+
+    def _cut_by_stop_string(self, seq: Sequence, final: bool = False) -> bool:
+        """A stop string matched: finish "stop"; the last kept token is scored in the next
+        step (none kept: no value). The tokens after it are dropped only once this step's
+        output carried them, so the API process sees the same tokens and cuts its text at
+        the same place."""
+        kept = kept_output_tokens(seq, self.text_decoder, final)
+        if kept is None:
+            return False
+        if kept:
+            self._stop_cuts.append((seq, kept))
+        self._finish_seq(seq, "stop", score=kept > 0)
+        return True
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.request.params
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
+            if (not p.ignore_eos and token in self.options.eos_token_ids) or token in p.stop_token_ids:
+                return "stop"
+        if num_output >= p.max_new_tokens or num_tokens >= self.options.max_model_len:
+            return "length"
+        return None
+
+    # ---- finishing -----------------------------------------------------------------------
+    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True, score: bool = True) -> None:
+        if seq.is_finished:
+            return
+        if reason in ("stop", "length") and score and self._scores_last_token(seq):
+            seq.scoring_reason = reason  # held back: the next step computes its last token
+            return
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._num_finished += 1
+        self.scheduler.remove(seq)
+        if not emit:
+            seq.request.sequences.remove(seq)
+
+    @staticmethod
+    def _scores_last_token(seq: Sequence) -> bool:
+        """LAST_GENERATED: a finishing sequence (not a beam: beams score their hypotheses)
+        stays running one more step, its last token computed for the handler, no logits."""
+        request = seq.request
+        return (request.custom_position == LAST_GENERATED and request.params.num_beams == 1
+                and seq.scoring_reason is None and seq.num_output_tokens > 0
+                and request.error_code is None)
