@@ -24,7 +24,7 @@ from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, Reque
 from coordinator.output_dispatch import OutputDispatcher
 from coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
 from coordinator.planner import PlanRows, Planner
-from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw
+from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
 from coordinator.engine_tokens import TokenSteps
 from coordinator.sampler import Sampler
 from coordinator.sampling_params import SamplingParams
@@ -122,7 +122,7 @@ class Engine(TokenSteps):
         request.token_columns = (request.single and not params.logprobs
                                  and params.max_new_tokens > 0)
         request.runs_ahead = (request.token_columns and pos != LAST_GENERATED
-                              and params.batch_draw in ("greedy", "temperature"))
+                              and params.batch_draw != "")
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -170,9 +170,7 @@ class Engine(TokenSteps):
         result = self.runner.execute(plan)
         draw = self._ahead_draw(batch, plan, rows)
         if draw is not None:
-            temperatures = ([s.request.params.temperature for s in batch.seqs]
-                            if draw == "temperature" else None)
-            self._launch_ahead(batch, result.logits, draw, temperatures)
+            self._launch_ahead(batch, result.logits, draw, row_params(draw, batch.seqs))
             return outputs
         advanced = self._postprocess(batch, plan, rows, result)
         self._collect_outputs(batch, outputs, advanced)
@@ -197,20 +195,25 @@ class Engine(TokenSteps):
             batch, keep = scheduled
             plan, _ = self.planner.build(batch)
             plan.graph_bucket = self.runner.graph_bucket_for(plan)
-            ids, temperatures = ahead.tokens, ahead.temperatures
+            ids, params = ahead.tokens, ahead.row_params
             if keep is not None:  # rows finished since: their successors are dropped
                 ids = ids[self._token_copies.to_device(keep)]
-                temperatures = temperatures and [temperatures[i] for i in keep.tolist()]
+                params = params and [params[i] for i in keep.tolist()]
             result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
-            self._launch_ahead(batch, result.logits, ahead.draw, temperatures)
+            self._launch_ahead(batch, result.logits, ahead.draw, params)
         self._finish_ahead(ahead, outputs)
 
     def _launch_ahead(self, batch: ScheduledBatch, logits: torch.Tensor, draw: str,
-                      temperatures: list[float] | None) -> None:
-        tokens = (self.sampler.greedy_tensor(logits) if draw == "greedy"
-                  else self.sampler.temperature_tensor(logits, temperatures))
+                      params: list | None) -> None:
+        """Sample on the device as _draw_batch would, and keep the step in flight."""
+        if draw == "greedy":
+            tokens = self.sampler.greedy_tensor(logits)
+        elif draw == "temperature":
+            tokens = self.sampler.temperature_tensor(logits, params)
+        else:
+            tokens = self.sampler.plain_tensor(logits, params)
         self._ahead = AheadStep(batch, tokens, self._token_copies.start(tokens), draw,
-                                temperatures, self._num_finished)
+                                params, self._num_finished)
         self.scheduler.note_advanced(batch, None)
         self.num_ahead_steps += 1
 

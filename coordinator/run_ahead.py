@@ -73,19 +73,29 @@ class AheadStep:
     batch: ScheduledBatch
     tokens: torch.Tensor  # int64 [rows] on the device: the next step's input ids
     pending: PendingTokens
-    draw: str  # "greedy" or "temperature" (Request.batch_draw, the same for every row)
-    temperatures: list[float] | None  # per row, for "temperature"
+    draw: str  # "greedy", "temperature" or "plain" (ahead_draw)
+    row_params: list | None  # per row: temperatures ("temperature"), SamplingParams ("plain")
     num_finished_at_launch: int  # the engine's finish count then: unchanged, every row runs
 
 
 def ahead_draw(batch: ScheduledBatch) -> str | None:
-    """The one draw every row of a plain decode batch samples by, when the batch may run
-    ahead (each request's Request.runs_ahead, all drawing alike), else None."""
+    """How a plain decode batch's tokens are drawn on the device, as Engine._draw_batch
+    draws them: "greedy" or "temperature" when every row draws so, "plain" for any other mix
+    of batch draws (Sampler.sample_plain); None when some row may not run ahead
+    (Request.runs_ahead) or the batch is not a plain decode batch."""
     if not batch.all_single or batch.has_special_rows or batch.partial \
             or batch.block_copies or batch.preempted:
         return None
     draws = {s.request.batch_draw if s.request.runs_ahead else "" for s in batch.seqs}
-    if len(draws) != 1:
+    if "" in draws:
         return None
-    draw = draws.pop()
-    return draw or None
+    return draws.pop() if len(draws) == 1 else "plain"
+
+
+def row_params(draw: str, seqs: list) -> list | None:
+    """What the draw needs per row (AheadStep.row_params)."""
+    if draw == "temperature":
+        return [s.request.params.temperature for s in seqs]
+    if draw == "plain":
+        return [s.request.params for s in seqs]
+    return None

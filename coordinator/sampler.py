@@ -16,6 +16,16 @@ from coordinator.sampling_params import SamplingParams
 from model.layers import HAS_TRITON
 
 
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small per-row list as a tensor on device; on CUDA through pinned memory, so the
+    copy does not wait for the work queued on the GPU (steps run ahead of their sampling,
+    coordinator/run_ahead.py)."""
+    tensor = torch.tensor(values)
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
@@ -96,7 +106,13 @@ class Sampler:
         """One token per row for rows with no logit processors, logprobs or seed (what
         __call__ would draw for them, with the shared generator): temperature, top-k, top-p
         and min-p only, so no SampleRow is needed."""
-        return self._choose(logits.float(), params, {}).tolist()
+        return self.plain_tensor(logits, params).tolist()
+
+    @torch.inference_mode()
+    def plain_tensor(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """sample_plain's tokens as an int64 tensor on the logits' device, with no host
+        sync (the per-row parameters travel through pinned memory)."""
+        return self._choose(logits.float(), params, {})
 
     @torch.inference_mode()
     def sample_temperature(self, logits: torch.Tensor, temperatures: list[float]) -> list[int]:
@@ -112,10 +128,7 @@ class Sampler:
         if logits.is_cuda and HAS_TRITON:
             from model.kernels.sample import gumbel_sample
             return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31))
-        temps = torch.tensor(temperatures)
-        if logits.is_cuda:  # pinned: the copy does not wait for the step on the GPU
-            temps = temps.pin_memory()
-        temps = temps.to(logits.device, non_blocking=True)[:, None]
+        temps = to_device(temperatures, logits.device)[:, None]
         probs = (logits.float() / temps).softmax(dim=-1)
         return (probs / self._exponential_noise(probs)).argmax(dim=-1)
 
@@ -166,8 +179,7 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1)
         dev = logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             device=dev)
+        temps = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], dev)
         probs = self._filtered_probs(logits / temps[:, None], params)
         noise = self._exponential_noise(probs)
         for i, seed in seeds.items():
@@ -176,7 +188,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if not any(greedy):
             return sampled
-        return torch.where(torch.tensor(greedy, device=dev), logits.argmax(dim=-1), sampled)
+        return torch.where(to_device(greedy, dev), logits.argmax(dim=-1), sampled)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -186,18 +198,18 @@ class Sampler:
         min_p = [p.min_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            k = torch.tensor(top_k, device=dev)
+            k = to_device(top_k, dev)
             ranks = torch.arange(vocab, device=dev)[None, :]
             sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
             sorted_probs = sorted_logits.softmax(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the crossing token stays)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = before > torch.tensor(top_p, device=dev)[:, None]
+            drop = before > to_device(top_p, dev)[:, None]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = to_device(min_p, dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 

@@ -62,6 +62,23 @@ def test_temperature_draws_equal_the_synchronous_engine(demo_dir):
     assert ahead.engine.num_ahead_steps > 15
 
 
+def test_a_batch_mixing_draws_runs_ahead_with_the_synchronous_tokens(demo_dir):
+    """Greedy, temperature-only and top-k/top-p/min-p rows in one batch: drawn on the device
+    by Sampler.plain_tensor as the synchronous engine's sample_plain draws them (the same
+    generator, in the same order while no row finishes early)."""
+    sync, ahead = _pair(demo_dir, seed=9)
+    prompts = random_prompts([14, 30, 22, 17], 1000, seed=17)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, temperature=0.9, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.8, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, temperature=1.1, top_k=5, min_p=0.05,
+                             ignore_eos=True)]
+    want = run(sync, prompts, params)
+    got = run(ahead, prompts, params)
+    assert token_ids(got) == token_ids(want)
+    assert ahead.engine.num_ahead_steps > 15
+
+
 def test_arrivals_and_rows_that_cannot_run_ahead_drain_the_pipeline(demo_dir):
     """A request arriving mid-decode is admitted the next step (the pipeline drains for the
     general pass); a request asking for logprobs keeps its batch synchronous while it runs."""
