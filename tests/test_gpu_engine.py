@@ -134,13 +134,17 @@ def test_async_scheduling_gives_the_synchronous_tokens(tmp_path, eager):
     """Steps launched ahead of their predecessor's sampling (the CUDA default at TP 1, with
     the ids passed on the device and copied home through pinned memory) give the tokens and
     finishes of the synchronous engine: greedy in float32 with requests ending one by one,
-    and a temperature draw in bfloat16 where every request ends together (the kernel seeds
-    are then drawn in the same order)."""
+    and in bfloat16, with every request ending together (so the draws' seeds and noise come
+    in the same order), a temperature draw and a batch mixing greedy, temperature, top-p and
+    top-k rows (Sampler.plain_tensor)."""
     path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
     prompts = _prompts(512)
     cases = [("float32", [SamplingParams(max_new_tokens=6 + 5 * i, temperature=0, ignore_eos=True)
                           for i in range(len(prompts))]),
-             ("bfloat16", SamplingParams(max_new_tokens=24, temperature=0.7, ignore_eos=True))]
+             ("bfloat16", SamplingParams(max_new_tokens=24, temperature=0.7, ignore_eos=True)),
+             ("bfloat16", [SamplingParams(max_new_tokens=16, ignore_eos=True, **kind) for kind in
+                           ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.9},
+                            {"temperature": 1.0, "top_k": 20}, {"temperature": 0.6})] * 2)]
     for dtype, params in cases:
         got = {}
         for run_ahead in (False, True):
