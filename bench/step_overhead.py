@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from coordinator.engine import Engine, EngineOptions  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import SchedulerConfig  # noqa: E402
+from model.layers import TPGroup  # noqa: E402
 from ranks.plan import StepPlan  # noqa: E402
 from ranks.runner import StepOutput  # noqa: E402
 
@@ -45,6 +46,8 @@ class _Cfg:
 
 class StandInRunner:
     """Looks like ModelRunner to the engine; 'runs' a step by returning preset logits."""
+
+    tp = TPGroup()  # one rank
 
     def __init__(self, num_blocks: int, vocab: int, max_seqs: int, device: str):
         self.num_blocks, self.cfg, self.device = num_blocks, _Cfg(), torch.device(device)
@@ -76,7 +79,9 @@ def main() -> None:
     runner = StandInRunner(args.seqs * blocks_per_seq + 1, args.vocab, args.seqs, args.device)
     engine = Engine(runner, EngineOptions(max_model_len=args.context + total + 64,
                                           eos_token_ids=[], vocab_size=args.vocab,
-                                          scheduler=SchedulerConfig(args.seqs, 1 << 30)))
+                                          scheduler=SchedulerConfig(args.seqs, 1 << 30),
+                                          # the host's whole turn, step by step (no overlap)
+                                          async_scheduling=False))
     params = SamplingParams(max_new_tokens=total + 8, temperature=args.temperature, ignore_eos=True)
     for i in range(args.seqs):
         engine.add_request(str(i), [(i + j) % 1000 for j in range(args.context)], params)
