@@ -9,11 +9,11 @@ copied to pinned memory, and the next step is scheduled from the scheduler's arr
 ids and do its work, while the GPU runs the second.
 
 A sequence that finishes in a step was already scheduled into the next one: that row's
-compute is wasted (its KV goes to the slot after its last token, in a block it owned and
-that no prefix-cache entry covers) and its token is dropped. Anything the arrays cannot
-schedule (a request to admit, a preemption, a non-plain row) drains the pipeline: the
-in-flight step is finished first and the general pass runs as before. docs/async_scheduling.md
-has the whole contract.
+compute is wasted (it writes the KV of the sequence's last token, in the slot after its
+computed ones, in a block it owned and that no prefix-cache entry covers) and its token is
+dropped. Anything the arrays cannot schedule (a request to admit, a preemption, a non-plain
+row) drains the pipeline: the in-flight step is finished, and the next engine step takes
+the general pass. docs/async_scheduling.md has the whole contract.
 """
 from __future__ import annotations
 
