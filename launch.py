@@ -48,9 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-num-batched-tokens", type=int, default=8192)
     a("--max-model-len", type=int)
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
-    a("--no-async-scheduling", action="store_true",
-      help="wait for each step's sampled tokens before planning the next (default on CUDA "
-           "at TP 1: the next decode step is launched first; docs/async_scheduling.md)")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+      help="launch the next decode step before this one's sampled tokens reach the host "
+           "(default: on CUDA at TP 1; docs/async_scheduling.md)")
     a("--no-prefix-caching", action="store_true")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
@@ -79,7 +79,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         custom_module=None if custom == "none" else custom,
         custom_output_reuse=args.custom_output_reuse, output_workers=args.output_workers,
         enforce_eager=args.enforce_eager, seed=args.seed,
-        async_scheduling=False if args.no_async_scheduling else None)
+        async_scheduling=args.async_scheduling)
 
 
 def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:

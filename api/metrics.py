@@ -44,6 +44,10 @@ class EngineStatsCollector(Collector):
             "tapserve_prefix_cache_hits": ("Prefix cache hits (tokens)", s.prefix_cache_hits),
             "tapserve_custom_output_calls": ("Custom output handler calls", s.custom_output_calls),
             "tapserve_custom_output_errors": ("Custom output handler errors", s.custom_output_errors),
+            "tapserve_engine_steps": ("Engine steps that ran a forward", s.engine_steps),
+            "tapserve_engine_steps_ahead": (
+                "Engine steps launched before the previous step's tokens reached the host "
+                "(asynchronous scheduling)", s.engine_steps_ahead),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -101,6 +101,8 @@ class EngineStats:
     prefix_cache_hits: int = 0
     custom_output_calls: int = 0
     custom_output_errors: int = 0
+    engine_steps: int = 0  # steps that ran a forward, since start
+    engine_steps_ahead: int = 0  # of them launched ahead of their predecessor's sampling
     TYPE = "stats"
 
 

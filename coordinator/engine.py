@@ -92,7 +92,8 @@ class Engine(TokenSteps):
         self._token_copies = TokenCopies(options.scheduler.max_num_seqs, runner.device)
         self._ahead: AheadStep | None = None  # the decode step in flight, its host work to do
         self._num_finished = 0  # sequences finished so far (AheadStep.num_finished_at_launch)
-        self.num_ahead_steps = 0  # steps launched ahead of their predecessor's sampling
+        self.num_steps = 0  # steps that ran a forward
+        self.num_ahead_steps = 0  # of them launched ahead of their predecessor's sampling
 
     @staticmethod
     def _wants_run_ahead(asked: bool | None, runner: ModelRunner) -> bool:
@@ -168,6 +169,7 @@ class Engine(TokenSteps):
         plan.graph_bucket = self.runner.graph_bucket_for(plan)
         self.send_plan(plan)
         result = self.runner.execute(plan)
+        self.num_steps += 1
         draw = self._ahead_draw(batch, plan, rows)
         if draw is not None:
             self._launch_ahead(batch, result.logits, draw, row_params(draw, batch.seqs))
@@ -200,6 +202,7 @@ class Engine(TokenSteps):
                 ids = ids[self._token_copies.to_device(keep)]
                 params = params and [params[i] for i in keep.tolist()]
             result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
+            self.num_steps += 1
             self._launch_ahead(batch, result.logits, ahead.draw, params)
         self._finish_ahead(ahead, outputs)
 

@@ -161,7 +161,8 @@ class CoordinatorLoop:
             kv_blocks_used=e.blocks.num_blocks - e.blocks.num_free_blocks,
             prefix_cache_queries=e.blocks.stats.queried_tokens,
             prefix_cache_hits=e.blocks.stats.hit_tokens,
-            custom_output_calls=e.custom_stats.calls, custom_output_errors=e.custom_stats.errors)
+            custom_output_calls=e.custom_stats.calls, custom_output_errors=e.custom_stats.errors,
+            engine_steps=e.num_steps, engine_steps_ahead=e.num_ahead_steps)
 
     def _announce_drain(self) -> None:
         if not self._drain_announced:

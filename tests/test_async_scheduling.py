@@ -197,3 +197,41 @@ def test_async_scheduling_is_refused_under_tensor_parallelism():
     with pytest.raises(ValueError, match="TP 1 only"):
         Engine._wants_run_ahead(True, Runner())
     assert Engine._wants_run_ahead(None, Runner()) is False
+
+
+def test_a_live_server_running_ahead_streams_the_synchronous_tokens(demo_dir):
+    """`launch.py --async-scheduling` on the CPU, driven by the official openai client: 16
+    concurrent streaming greedy completions of different lengths (rows finishing one by one
+    while others run ahead) give the synchronous offline engine's text, the steps that ran
+    ahead show in /metrics, and every block is free at the end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from tests.api_helpers import LiveServer, metric, wait_for
+    prompts = random_prompts([5 + 3 * i for i in range(16)], 1000, seed=18)
+    lengths = [4 + 3 * i for i in range(16)]
+    sync = make_llm(demo_dir, num_kv_blocks=256, async_scheduling=False)
+    want = [run(sync, [p], greedy(n))[0].outputs[0].token_ids for p, n in zip(prompts, lengths)]
+    server = LiveServer("--async-scheduling", "--custom-module", "none")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(
+                model="tapserve-demo", prompt=prompts[i], max_tokens=lengths[i], temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(stream, range(16)))
+        for text, ids in zip(texts, want):
+            expected = httpx.post(server.url + "/detokenize", timeout=30,
+                                  json={"tokens": ids, "skip_special_tokens": True})
+            assert text == expected.json()["prompt"]
+        assert wait_for(lambda: metric(server, "tapserve_engine_steps_ahead_total") > 0, 5)
+        assert wait_for(lambda: metric(server, "tapserve_kv_blocks_used") == 0, 5)
+    finally:
+        assert server.stop() == 0, server.log_tail()
