@@ -155,6 +155,10 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    world_size = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.async_scheduling and world_size > 1:  # before any rank loads a model
+        raise SystemExit(f"--async-scheduling runs at TP 1 only (TP is {world_size}: plans "
+                         f"carry their token ids; docs/async_scheduling.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.nproc_per_node and not is_local_rank():
         if args.nproc_per_node < 1 or args.prompt is not None:

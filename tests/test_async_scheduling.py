@@ -235,3 +235,14 @@ def test_a_live_server_running_ahead_streams_the_synchronous_tokens(demo_dir):
         assert wait_for(lambda: metric(server, "tapserve_kv_blocks_used") == 0, 5)
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_launch_refuses_async_scheduling_with_several_ranks():
+    """Refused before any rank starts or loads a model, with the reason."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    done = subprocess.run([sys.executable, "launch.py", "--async-scheduling", "--nproc-per-node",
+                           "2", "--device", "cpu"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "TP 1 only (TP is 2" in done.stderr, done.stderr[-2000:]
