@@ -139,6 +139,9 @@ def main() -> None:
                          "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
                          "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
             print(json.dumps(rows[-1]), flush=True)
+        else:
+            continue
+        break  # a batch that failed: larger ones would too (as before the modes loop)
     if args.json:
         Path(args.json).write_text(json.dumps({"weight_bytes": wbytes, "rows": rows}, indent=1))
 

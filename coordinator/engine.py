@@ -26,7 +26,7 @@ from coordinator.outputs import SteadyColumns, put_news_in_columns, request_outp
 from coordinator.planner import PlanRows, Planner
 from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
 from coordinator.engine_tokens import TokenSteps
-from coordinator.sampler import Sampler
+from coordinator.sampler import Sampler, to_device
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from coordinator.sequence import Request, Sequence, SequenceFactory
@@ -199,7 +199,7 @@ class Engine(TokenSteps):
             plan.graph_bucket = self.runner.graph_bucket_for(plan)
             ids, params = ahead.tokens, ahead.row_params
             if keep is not None:  # rows finished since: their successors are dropped
-                ids = ids[self._token_copies.to_device(keep)]
+                ids = ids[to_device(keep, ids.device)]
                 params = params and [params[i] for i in keep.tolist()]
             result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
             self.num_steps += 1

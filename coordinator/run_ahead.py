@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from coordinator.scheduler import ScheduledBatch
@@ -43,19 +42,11 @@ class TokenCopies:
     its event. On the CPU the ids are already home."""
 
     def __init__(self, rows: int, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
+        self.cuda = device.type == "cuda"
         self._buffers = [torch.empty(rows, dtype=torch.int64, pin_memory=self.cuda)
                          for _ in range(2 if self.cuda else 0)]
         self._events = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
-
-    def to_device(self, rows: np.ndarray) -> torch.Tensor:
-        """An int64 index array on the ids' device, through pinned memory on CUDA (a
-        pageable copy may wait for the GPU)."""
-        index = torch.from_numpy(rows)
-        if not self.cuda:
-            return index
-        return index.pin_memory().to(self.device, non_blocking=True)
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
         if not self.cuda:
@@ -83,8 +74,7 @@ def ahead_draw(batch: ScheduledBatch) -> str | None:
     draws them: "greedy" or "temperature" when every row draws so, "plain" for any other mix
     of batch draws (Sampler.sample_plain); None when some row may not run ahead
     (Request.runs_ahead) or the batch is not a plain decode batch."""
-    if not batch.all_single or batch.has_special_rows or batch.partial \
-            or batch.block_copies or batch.preempted:
+    if not batch.all_plain_rows:
         return None
     draws = {s.request.batch_draw if s.request.runs_ahead else "" for s in batch.seqs}
     if "" in draws:

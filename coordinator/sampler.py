@@ -16,10 +16,10 @@ from coordinator.sampling_params import SamplingParams
 from model.layers import HAS_TRITON
 
 
-def to_device(values: list, device: torch.device) -> torch.Tensor:
-    """A small per-row list as a tensor on device; on CUDA through pinned memory, so the
-    copy does not wait for the work queued on the GPU (steps run ahead of their sampling,
-    coordinator/run_ahead.py)."""
+def to_device(values, device: torch.device) -> torch.Tensor:
+    """A small per-row list (or numpy array) as a tensor on device; on CUDA through pinned
+    memory, so the copy does not wait for the work queued on the GPU (steps run ahead of
+    their sampling, coordinator/run_ahead.py)."""
     tensor = torch.tensor(values)
     if device.type != "cuda":
         return tensor

@@ -77,6 +77,14 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    @property
+    def all_plain_rows(self) -> bool:
+        """Every row a Request.single row, none special or partial, with no copies or
+        preemptions: a batch whose next decode step may come from arrays (note_advanced)
+        and that may run ahead of its sampling (coordinator/run_ahead.py)."""
+        return (self.all_single and not self.has_special_rows and not self.partial
+                and not self.block_copies and not self.preempted)
+
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule n new tokens of seq (the running loop inlines this)."""
         computed = seq.num_computed_tokens
@@ -118,9 +126,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         steady, self._steady = self._steady, None
-        admits = self.waiting and len(self.running) < self.config.max_num_seqs
         self._serial += 1
-        if steady is not None and steady.tokens is not None and not admits \
+        if steady is not None and steady.tokens is not None and not self._may_admit() \
                 and self.running == steady.seqs:
             batch = self._schedule_steady(steady)
             if batch is not None:
@@ -137,8 +144,7 @@ class Scheduler:
         order) and nothing else changed: the next step may be scheduled from arrays.
         tokens None: they are still being sampled on the device; only schedule_ahead may
         schedule from the batch then (a sequence that finishes meanwhile leaves `running`)."""
-        if batch.all_single and not batch.has_special_rows and not batch.partial \
-                and not batch.block_copies and not batch.preempted:
+        if batch.all_plain_rows:
             self._steady = _SteadyRows(batch.seqs, np.array(batch.context_lens, np.int64),
                                        batch.block_capacities, batch.table_stamps, tokens,
                                        batch.serial)
@@ -154,9 +160,7 @@ class Scheduler:
         no sequence touched, the noted batch is forgotten, and the caller must finish the
         step in flight before it calls schedule()."""
         steady, self._steady = self._steady, None
-        if steady is None or steady.tokens is not None:
-            return None
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if steady is None or steady.tokens is not None or self._may_admit():
             return None
         keep = None
         if self.running != steady.seqs:
@@ -184,6 +188,10 @@ class Scheduler:
             self.waiting.remove(request)
 
     # ---- internals -----------------------------------------------------------------
+    def _may_admit(self) -> bool:
+        """A request waits and max_num_seqs has room: the general pass may admit it."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
         blocks, block_size = self.blocks, self.blocks.block_size
