@@ -7,7 +7,8 @@ on pages of its own (>= 512 MB of KV in all, to overflow the L2 cache, as a deco
 `LO-HI` draws each sequence's length uniformly from [LO, HI] (seed 0), as the nano-vllm
 workload's sequences have. Stage 1 sweeps --splits at the kernel's default launch config;
 stage 2 tries --configs at the best few split counts of stage 1. `policy` is what the
-backend picks for the batch (model/triton_backend.py) at --max-model-len.
+backend picks for the batch (model/triton_backend.py) at --max-model-len. --orders times the
+programs launched longest context first (as the backend launches them) and/or in batch order.
 
     python bench/decode_attention.py --model-config bench/configs/qwen3-8b.json \\
         --batch-sizes 1,16,64,128,256 --contexts 1024,100-2048 --max-model-len 4096
@@ -26,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
-from model.kernels.decode import decode_config, make_decode_workspace, paged_decode_attention  # noqa: E402
+from model.kernels.decode import (decode_config, longest_first, make_decode_workspace,  # noqa: E402
+                                  paged_decode_attention)
 from model.triton_backend import decode_split_policy  # noqa: E402
 
 L2_FLUSH_BYTES = 512 << 20
@@ -54,12 +56,13 @@ class Case:
         self.q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty_like(self.q)
         self.scale = head_dim ** -0.5
+        self.order: torch.Tensor | None = None  # seq_order: None is batch order
 
     def run(self, copy: int, splits: int, config: Config | None,
             workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         return paged_decode_attention(self.q, self.k, self.v, self.tables[copy], self.lens,
                                       self.scale, out=self.out, num_kv_splits=splits,
-                                      workspace=workspace, config=config)
+                                      workspace=workspace, config=config, seq_order=self.order)
 
     def seconds_per_call(self, splits: int, config: Config | None, replays: int = 10) -> float:
         q = self.q
@@ -95,6 +98,8 @@ def main() -> None:
     p.add_argument("--configs", default="64x4x2,64x4x3,64x8x2,128x4x2,128x8x2,128x8x3,32x4x2",
                    help="BLOCK_Nxwarpsxstages, tried at stage 1's best --top")
     p.add_argument("--top", type=int, default=3)
+    p.add_argument("--orders", default="longest-first",
+                   help="program launch orders to time: longest-first (the backend's), batch")
     p.add_argument("--json", help="write every timing to this file")
     args = p.parse_args()
     heads, kv_heads, head_dim = rank_heads(json.loads(Path(args.model_config).read_text()), args.tp)
@@ -106,14 +111,18 @@ def main() -> None:
         case = Case(heads, kv_heads, head_dim, args.page, batch, context)
         policy_splits = policy(batch, kv_heads)
         reference = case.run(0, policy_splits, None, None).clone()
-        now = timed(case, policy_splits, None, reference)
-        stage1 = [timed(case, s, None, reference) for s in map(int, args.splits.split(","))]
-        best = sorted(stage1, key=lambda r: r["us"])[:args.top]
-        stage2 = [timed(case, r["splits"], parse_config(c), reference)
-                  for r in best for c in args.configs.split(",")]
-        winner = min(stage1 + stage2, key=lambda r: r["us"])
-        rows += [{"batch": batch, "context": context, **r} for r in [now] + stage1 + stage2]
-        print(json.dumps({"batch": batch, "context": context, "policy": now, "best": winner}), flush=True)
+        for order in args.orders.split(","):
+            case.order = longest_first(case.lens) if order == "longest-first" else None
+            now = timed(case, policy_splits, None, reference)
+            stage1 = [timed(case, s, None, reference) for s in map(int, args.splits.split(","))]
+            best = sorted(stage1, key=lambda r: r["us"])[:args.top]
+            stage2 = [timed(case, r["splits"], parse_config(c), reference)
+                      for r in best for c in args.configs.split(",")]
+            winner = min(stage1 + stage2, key=lambda r: r["us"])
+            key = {"batch": batch, "context": context, "order": order}
+            rows += [{**key, **r} for r in [now] + stage1 + stage2]
+            print(json.dumps({**key, "policy": now, "best": winner,
+                              "us_by_splits": {r["splits"]: r["us"] for r in stage1}}), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -59,12 +59,13 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.buckets):
             before_each()
-            ctx = self._context(b)
-            self.model(self.input_ids[:b], ctx)
+            self.model(self.input_ids[:b], self._context(b))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
+            # a fresh context: what a backend derives once per step (its backend_state) must
+            # be computed inside the graph, not reused from the warm-up
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.model(self.input_ids[:b], ctx)
+                self.outputs[b] = self.model(self.input_ids[:b], self._context(b))
             pool = pool or graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)

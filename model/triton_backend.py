@@ -15,25 +15,20 @@ from model.attention import AttentionMetadata
 from model.decoder import AttentionBackend
 
 MAX_KV_SPLITS = 64
-# decode programs (batch x KV heads x splits) to aim for, per SM: measured on one H200
-# (bench/decode_attention.py, docs/benchmarks.md): fewer leave the memory system idle at
-# small batches, more cut contexts into slivers whose partial outputs and merge cost more
-# than they hide
-PROGRAMS_PER_SM = 32
+# decode programs (batch x KV heads x splits) to aim for, per SM: measured on one H200 with
+# the programs launched longest context first (bench/decode_attention.py, docs/benchmarks.md,
+# 12th session): fewer leave the memory system idle at small batches, more cut contexts into
+# slivers whose partial outputs and merge cost more than they hide. From batch 67 at 8 KV
+# heads on 132 SMs this gives one split: the kernel writes the output itself, no merge.
+PROGRAMS_PER_SM = 8
 TOKENS_PER_SPLIT = 256  # of the context limit: bounds the split count (see the policy)
-# a batch with at least this many (sequence, KV head) programs per SM takes one split: the
-# kernel then writes the output itself, no partials, no merge launch (docs/benchmarks.md,
-# 11th session: at batch 256 x 8 KV heads one split beat two by 8.5 % at context 1K and
-# tied at contexts 100-2048; at batch 128 two to four splits still won on mixed contexts)
-ONE_SPLIT_PROGRAMS_PER_SM = 12
 
 
 def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int], int]:
     """splits(batch, kv_heads): the decode KV split count, the largest power of two for
-    which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM, capped at
-    ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS; and 1 from ONE_SPLIT_PROGRAMS_PER_SM programs per SM without splitting
-    (batch 198 and up at 8 KV heads on 132 SMs). A small batch takes more splits. Powers of two only: each count is a kernel variant to
+    which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM (at least
+    1), capped at ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
+    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a kernel variant to
     compile (a handful, not one per batch size). Fewer KV heads never mean fewer splits, so
     a workspace sized for one KV head fits every batch."""
     import triton
@@ -43,8 +38,6 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
         max_model_len, tokens_per_split=TOKENS_PER_SPLIT, max_splits=MAX_KV_SPLITS))
 
     def splits(batch: int, kv_heads: int) -> int:
-        if batch * kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * num_sms:
-            return 1
         want = max(1, PROGRAMS_PER_SM * num_sms // (batch * kv_heads))
         return min(cap, 1 << (want.bit_length() - 1))
     return splits
@@ -75,11 +68,13 @@ class DecodeWorkspace:
         return self.layouts[key]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+               seq_order: torch.Tensor | None) -> torch.Tensor:
         from model.kernels import paged_decode_attention
         splits, workspace = self.layout(q.shape[0], k_cache.shape[2])
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      num_kv_splits=splits, workspace=workspace)
+                                      num_kv_splits=splits, workspace=workspace,
+                                      seq_order=seq_order)
 
 
 @dataclass
@@ -93,6 +88,7 @@ class ExtendSplit:
     decode_rows: torch.Tensor | None  # [Bd] int64: the one-row sequences' rows of q
     decode_tables: torch.Tensor | None  # [Bd, max_blocks] int32
     decode_lens: torch.Tensor | None  # [Bd] int32
+    decode_order: torch.Tensor | None  # [Bd] int32, longest context first
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_m: int, device: torch.device) -> "ExtendSplit":
@@ -105,16 +101,17 @@ class ExtendSplit:
         one_row = np.flatnonzero(query_lens == 1)
         work = on_device(extend_work(query_lens, block_m, np.flatnonzero(query_lens > 1)))
         if not one_row.size:
-            return cls(work, None, None, None)
+            return cls(work, None, None, None, None)
         lens = np.asarray(meta.context_lens_host or meta.context_lens.tolist(), np.int32)[one_row]
         tables = meta.block_tables[on_device(one_row)]
-        return cls(work, on_device(starts[one_row].astype(np.int64)), tables, on_device(lens))
+        return cls(work, on_device(starts[one_row].astype(np.int64)), tables, on_device(lens),
+                   on_device(np.argsort(-lens, kind="stable").astype(np.int32)))
 
 
 def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model_len: int,
                         device: torch.device, num_sms: int | None = None) -> AttentionBackend:
     """num_sms: the device's, unless given (the CPU interpreter has none)."""
-    from model.kernels import extend_attention, store_kv_cache
+    from model.kernels import extend_attention, longest_first, store_kv_cache
     from model.kernels.extend import extend_config
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -123,7 +120,11 @@ def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model
 
     def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return decoder.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        # once per step (per CUDA-graph replay), on the device: the first layer sorts
+        if "decode_order" not in meta.backend_state:
+            meta.backend_state["decode_order"] = longest_first(meta.context_lens)
+        return decoder.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                              meta.backend_state["decode_order"])
 
     def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -135,7 +136,8 @@ def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model
                                meta.block_tables, scale, work=split.work)
         if split.decode_rows is not None:
             out[split.decode_rows] = decoder.attend(q[split.decode_rows], k_cache, v_cache,
-                                                    split.decode_tables, split.decode_lens, scale)
+                                                    split.decode_tables, split.decode_lens, scale,
+                                                    split.decode_order)
         return out
 
     return AttentionBackend(store=store_kv_cache, extend=extend, decode=decode)

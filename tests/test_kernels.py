@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,7 +83,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) 
 
 def check_decode(ctx_lens: list[int], shape: tuple[int, int, int, int], dtype: torch.dtype,
                  device: str, num_kv_splits: int, seed: int = 0, strided: bool = False) -> None:
-    from model.kernels import paged_decode_attention
+    from model.kernels import longest_first, paged_decode_attention
     num_kv_heads, group, head_dim, block_size = shape
     q, k_cache, v_cache, meta = _make_case(ctx_lens, [1] * len(ctx_lens), num_kv_heads, group,
                                            head_dim, block_size, dtype, device, seed,
@@ -92,6 +93,15 @@ def check_decode(ctx_lens: list[int], shape: tuple[int, int, int, int], dtype: t
                                  scale, num_kv_splits=num_kv_splits)
     _check(out, _reference(q, k_cache, v_cache, meta, scale), dtype,
            f"decode ctx={ctx_lens} shape={shape} {dtype} splits={num_kv_splits}")
+    order = longest_first(meta.context_lens)
+    if len(ctx_lens) < 2:
+        assert order is None
+        return
+    assert sorted(order.tolist()) == list(range(len(ctx_lens)))
+    assert meta.context_lens[order].tolist() == sorted(ctx_lens, reverse=True)
+    ordered = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                     scale, num_kv_splits=num_kv_splits, seq_order=order)
+    assert torch.equal(ordered, out), "the launch order changed the numbers"
 
 
 def check_decode_workspace_reuse(device: str) -> None:
@@ -209,7 +219,20 @@ def _cpu_store() -> None:
     check_store(9, (1, 1, 128, 32), torch.bfloat16, "cpu", seed=1)
 
 
+def check_longest_first(device: str) -> None:
+    """The launch order: descending context, ties in row order (numpy's stable argsort of
+    the negated lengths), over several BLOCK-sized chunks of rows."""
+    from model.kernels import longest_first
+    gen = torch.Generator().manual_seed(0)
+    for n in (2, 3, 64, 150):
+        lens = torch.randint(0, 12, (n,), generator=gen, dtype=torch.int32)  # many ties
+        want = np.argsort(-lens.numpy(), kind="stable")
+        assert longest_first(lens.to(device)).tolist() == want.tolist(), f"n={n}"
+    assert longest_first(torch.ones(1, dtype=torch.int32, device=device)) is None
+
+
 def _cpu_decode() -> None:
+    check_longest_first("cpu")
     check_decode(CPU_DECODE_CTX, (2, 1, 64, 16), torch.float32, "cpu", num_kv_splits=4)
     check_decode(CPU_DECODE_CTX, (2, 4, 128, 32), torch.float32, "cpu", num_kv_splits=3, seed=1,
                  strided=True)
@@ -280,6 +303,7 @@ def test_decode_gpu(shape: tuple[int, int, int, int], dtype: torch.dtype) -> Non
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=64, seed=2)  # a small batch's count
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=2, seed=3)  # a large batch's count
     check_decode(ctx, shape, dtype, "cuda", num_kv_splits=1, seed=4)
+    check_longest_first("cuda")
 
 
 @pytest.mark.gpu
@@ -370,16 +394,15 @@ def test_decode_cuda_graph_replay() -> None:
 # ---------------------------------------------------------------- decode split policy
 @needs_triton
 def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
-    """Powers of two only (each is a kernel variant); one split from ONE_SPLIT_PROGRAMS_PER_SM
-    programs per SM; otherwise batch x KV heads x splits stays at or
-    under PROGRAMS_PER_SM per SM and is the largest such power of two, unless the context
+    """Powers of two only (each is a kernel variant); batch x KV heads x splits stays at or
+    under PROGRAMS_PER_SM per SM (or one split) and is the largest such power of two, unless the context
     limit caps the count (one split per TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS);
     fewer KV heads never mean fewer splits, so the backend's workspace, sized for one KV
     head, fits every batch."""
     import triton
 
-    from model.triton_backend import (MAX_KV_SPLITS, ONE_SPLIT_PROGRAMS_PER_SM, PROGRAMS_PER_SM,
-                                      TOKENS_PER_SPLIT, decode_split_policy)
+    from model.triton_backend import (MAX_KV_SPLITS, PROGRAMS_PER_SM, TOKENS_PER_SPLIT,
+                                      decode_split_policy)
     sms = 132
     for limit in (1200, 4096, 40960):
         splits = decode_split_policy(limit, num_sms=sms)
@@ -388,15 +411,13 @@ def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
                 assert 1 <= s <= cap and s & (s - 1) == 0
-                if batch * kv_heads >= ONE_SPLIT_PROGRAMS_PER_SM * sms:
-                    assert s == 1  # a full grid unsplit: no partials, no merge
-                    continue
                 programs = batch * kv_heads * s
                 assert s == 1 or programs <= PROGRAMS_PER_SM * sms
                 assert s == cap or 2 * programs > PROGRAMS_PER_SM * sms
                 assert s <= splits(batch, 1)
-    assert decode_split_policy(4096, sms)(256, 8) == 1  # measured: no worse than 2 at batch 256
-    assert decode_split_policy(4096, sms)(128, 8) == 4  # measured best at contexts 100-2048
+    # measured best at contexts 100-2048, longest context first (docs/benchmarks.md)
+    best = {256: 1, 128: 1, 64: 2, 32: 4, 16: 8}
+    assert {b: decode_split_policy(4096, sms)(b, 8) for b in best} == best
     assert decode_split_policy(40960, sms)(1, 8) == MAX_KV_SPLITS
 
 

@@ -2,7 +2,8 @@
 
 Exports (loaded lazily, so `import model.kernels` works without Triton installed):
   paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=None,
-                         num_kv_splits=16, workspace=None, config=None) -> out [B, H, D]
+                         num_kv_splits=16, workspace=None, config=None, seq_order=None)
+  longest_first(context_lens) -> seq_order (rows by descending context) or None
   extend_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables,
                    scale, out=None, work=None, config=None) -> out [T, H, D]
   store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None
@@ -32,6 +33,7 @@ _LAZY = {
     "paged_decode_attention": "decode",
     "make_decode_workspace": "decode",
     "num_kv_splits_for": "decode",
+    "longest_first": "decode",
     "DEFAULT_NUM_KV_SPLITS": "decode",
     "extend_attention": "extend",
     "store_kv_cache": "store",
