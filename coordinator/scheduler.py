@@ -189,8 +189,16 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------
     def _may_admit(self) -> bool:
-        """A request waits and max_num_seqs has room: the general pass may admit it."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        """The general pass would admit the first waiting request now: max_num_seqs has room
+        for the sequences it starts next and their blocks fit. The general pass tests the
+        same after the running rows have grown, with no more free blocks than now, so a False
+        here never leaves an admissible request waiting."""
+        if not self.waiting:
+            return False
+        request = self.waiting[0]
+        seqs = self._next_admitted(request)
+        return (len(self.running) + len(seqs) <= self.config.max_num_seqs
+                and self._can_allocate(seqs, request))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
@@ -319,12 +327,7 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            seqs = [s for s in request.live_sequences if s.status is SeqStatus.WAITING]
-            scoring = [s for s in seqs if s.scoring_reason is not None]
-            if scoring:  # preempted while scoring its last token: alone, before the rest
-                seqs = scoring[:1]
-            elif request.params.num_beams == 1:
-                seqs = seqs[:1]  # samples of n > 1 are independent: admitted one at a time
+            seqs = self._next_admitted(request)
             if len(self.running) + len(seqs) > self.config.max_num_seqs:
                 break
             if not self._can_allocate(seqs, request):
@@ -334,6 +337,17 @@ class Scheduler:
             budget = self._take_tokens(seqs, batch, budget)
             if not any(s.status is SeqStatus.WAITING for s in request.live_sequences):
                 self.waiting.popleft()
+
+    @staticmethod
+    def _next_admitted(request: Request) -> list[Sequence]:
+        """The waiting sequences of request that admission starts together next."""
+        seqs = [s for s in request.live_sequences if s.status is SeqStatus.WAITING]
+        scoring = [s for s in seqs if s.scoring_reason is not None]
+        if scoring:  # preempted while scoring its last token: alone, before the rest
+            return scoring[:1]
+        if request.params.num_beams == 1:
+            return seqs[:1]  # samples of n > 1 are independent: admitted one at a time
+        return seqs
 
     def _take_tokens(self, seqs: list[Sequence], batch: ScheduledBatch, budget: int) -> int:
         """Schedule the next tokens of seqs within the budget. Several seqs are the beams of

@@ -175,6 +175,19 @@ def test_preemption_under_a_tiny_cache_gives_the_tokens_of_a_roomy_one(demo_dir)
     assert token_ids(got) == token_ids(run(roomy, prompts, greedy(60)))
 
 
+def test_a_queue_that_does_not_fit_the_cache_does_not_stop_running_ahead(demo_dir):
+    """Two requests fill the cache and four wait for their blocks: the running pair keeps
+    running ahead meanwhile (admission is tested as the general pass would), and the tokens
+    are the synchronous engine's."""
+    sync, ahead = _pair(demo_dir, num_kv_blocks=11, block_size=16, max_model_len=128)
+    prompts = random_prompts([60, 58, 62, 57, 61, 59], 1000, seed=17)
+    params = greedy(20)
+    want, got = run(sync, prompts, params), run(ahead, prompts, params)
+    assert token_ids(got) == token_ids(want)
+    assert ahead.engine.num_ahead_steps > 0.8 * ahead.engine.steps_checked, \
+        (ahead.engine.num_ahead_steps, ahead.engine.steps_checked)
+
+
 def test_max_model_len_reached_while_running_ahead(demo_dir):
     """A row at the model's length limit is already scheduled into one more step, whose
     position is still inside the limit (its own last token's): no table outgrows it."""

@@ -46,6 +46,14 @@ def _launch(scheduler: Scheduler) -> ScheduledBatch:
     return batch
 
 
+def _late(prompt: list[int]) -> Request:
+    """A request arriving with its prompt sequence, as the engine adds one."""
+    request = Request("late", prompt, SamplingParams(max_new_tokens=4), 99)
+    request.single = True
+    SequenceFactory().prompt_sequence(request)
+    return request
+
+
 def _state(scheduler: Scheduler):
     return (scheduler.blocks.num_free_blocks,
             [(list(s.block_table), s.block_table_version) for s in scheduler.running])
@@ -84,7 +92,7 @@ def test_the_general_pass_is_left_to_the_caller_untouched():
     # a request waiting with room to admit it
     scheduler = _decoding(4)
     _launch(scheduler)
-    scheduler.add(Request("late", [1, 2, 3], SamplingParams(max_new_tokens=4), 99))
+    scheduler.add(_late([1, 2, 3]))
     before = _state(scheduler)
     assert scheduler.schedule_ahead() is None
     assert _state(scheduler) == before
@@ -112,5 +120,25 @@ def test_a_full_batch_keeps_running_ahead_past_a_waiting_request():
     """No room to admit (max_num_seqs reached): the waiting request does not stop it."""
     scheduler = _decoding(4, max_num_seqs=4)
     _launch(scheduler)
-    scheduler.add(Request("late", [1, 2, 3], SamplingParams(max_new_tokens=4), 99))
+    scheduler.add(_late([1, 2, 3]))
     assert scheduler.schedule_ahead() is not None
+
+
+def test_a_request_whose_blocks_do_not_fit_waits_while_the_batch_runs_ahead():
+    """Room in max_num_seqs but not in the cache: running ahead goes on; once rows finish
+    and free their blocks, it stops (None) and the general pass admits the request."""
+    scheduler = _decoding(4, num_blocks=40)
+    batch = _launch(scheduler)
+    free = scheduler.blocks.num_free_blocks
+    late = _late(list(range(BLOCK * (free + 1))))
+    scheduler.add(late)
+    ahead, _ = scheduler.schedule_ahead()  # the general pass could not admit it either
+    _finish_step(scheduler, batch)
+    _finish_step(scheduler, ahead)
+    scheduler.note_advanced(ahead, None)
+    for seq in list(scheduler.running)[:3]:  # three rows finish, their blocks come back
+        seq.status = SeqStatus.FINISHED
+        scheduler.remove(seq)
+    assert scheduler.schedule_ahead() is None
+    admitted = scheduler.schedule()
+    assert late.sequences[0] in admitted.seqs

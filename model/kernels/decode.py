@@ -11,7 +11,8 @@ Stage 1, grid (Hkv * num_kv_splits, B): each program takes all G = H // Hkv quer
 KV group (padded to >= 16 rows for tl.dot) over one slice of the context. A sequence's programs
 are launched together, sequence after sequence, in the order seq_order gives (default: batch
 order). Longest context first keeps the longest programs out of the tail of the launch: with
-contexts of 100-2048 tokens that was 8-13 % faster at batch 96-256 (docs/benchmarks.md).
+contexts of 100-2048 tokens that was 7.7-13 % faster at batch 96-256 over two runs
+(docs/benchmarks.md).
 The context is cut into num_kv_splits slices of ceil(ceil(ctx / splits) / BLOCK_N) * BLOCK_N tokens, so short
 contexts only use the first few splits; empty splits write lse = -inf. Each program writes its
 normalised partial output and its log2-sum-exp to the workspace:
