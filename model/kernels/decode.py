@@ -12,9 +12,9 @@ KV group (padded to >= 16 rows for tl.dot) over one slice of the context. A sequ
 are launched together, sequence after sequence, in the order seq_order gives (default: batch
 order). Longest context first keeps the longest programs out of the tail of the launch: with
 contexts of 100-2048 tokens that was 7.7-13 % faster at batch 96-256 over two runs
-(docs/benchmarks.md).
-The context is cut into num_kv_splits slices of ceil(ceil(ctx / splits) / BLOCK_N) * BLOCK_N tokens, so short
-contexts only use the first few splits; empty splits write lse = -inf. Each program writes its
+(docs/benchmarks.md). The context is cut into num_kv_splits slices of
+ceil(ceil(ctx / splits) / BLOCK_N) * BLOCK_N tokens, so short contexts only use the first
+few splits; empty splits write lse = -inf. Each program writes its
 normalised partial output and its log2-sum-exp to the workspace:
     partial_out [>=B, H, splits, D] float32, partial_lse [>=B, H, splits] float32 (base 2,
     of the scores already multiplied by scale * log2(e)).
@@ -236,6 +236,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
     assert num_kv_splits >= 1
+    assert batch <= 65535, "the batch is the grid's second dimension (CUDA: at most 65535)"
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
