@@ -62,9 +62,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, seq: Sequence, reuse_cap: int | None = None) -> bool:
-        hits = len(self._lookup(seq, reuse_cap))
-        hit_free = sum(1 for b in self._lookup(seq, reuse_cap) if self.blocks[b].ref_count == 0)
-        return self.blocks_needed(seq.num_tokens) - hits <= self.num_free_blocks - hit_free
+        hits = self._lookup(seq, reuse_cap)
+        hit_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(seq.num_tokens) - len(hits) <= self.num_free_blocks - hit_free
 
     def can_append(self, seqs: list[Sequence]) -> bool:
         return sum(self.blocks_to_append(s) for s in seqs) <= self.num_free_blocks

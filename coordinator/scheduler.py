@@ -189,11 +189,14 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------
     def _may_admit(self) -> bool:
-        """The general pass would admit the first waiting request now: max_num_seqs has room
-        for the sequences it starts next and their blocks fit. The general pass tests the
-        same after the running rows have grown, with no more free blocks than now, so a False
-        here never leaves an admissible request waiting."""
-        if not self.waiting:
+        """The general pass would admit the first waiting request now: the running rows
+        leave token budget, max_num_seqs has room for the sequences it starts next, and
+        their blocks fit. The general pass tests the same after the running rows have grown,
+        with no more free blocks than now, so a False here never leaves a request waiting
+        that the general pass would admit. (Blocks of rows finishing in a step still in
+        flight are not free yet: running ahead, a request they make room for is admitted
+        one step later than a synchronous engine would admit it.)"""
+        if not self.waiting or len(self.running) >= self.config.max_num_batched_tokens:
             return False
         request = self.waiting[0]
         seqs = self._next_admitted(request)

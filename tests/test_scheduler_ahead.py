@@ -142,3 +142,16 @@ def test_a_request_whose_blocks_do_not_fit_waits_while_the_batch_runs_ahead():
     assert scheduler.schedule_ahead() is None
     admitted = scheduler.schedule()
     assert late.sequences[0] in admitted.seqs
+
+
+def test_no_token_budget_left_for_a_new_request_does_not_drain():
+    """The running rows use the whole token budget (max_num_batched_tokens below
+    max_num_seqs): the general pass could not admit the waiting request, so running ahead
+    goes on."""
+    scheduler = _decoding(4)
+    scheduler.config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4)
+    _launch(scheduler)
+    scheduler.add(_late([1, 2, 3]))
+    assert scheduler.schedule_ahead() is not None
+    scheduler.config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=5)
+    assert scheduler.schedule_ahead() is None  # one token left: the general pass admits it
