@@ -199,9 +199,7 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_batched_tokens:
             return False
         request = self.waiting[0]
-        seqs = self._next_admitted(request)
-        return (len(self.running) + len(seqs) <= self.config.max_num_seqs
-                and self._can_allocate(seqs, request))
+        return self._fits(self._next_admitted(request), request)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
@@ -331,9 +329,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             seqs = self._next_admitted(request)
-            if len(self.running) + len(seqs) > self.config.max_num_seqs:
-                break
-            if not self._can_allocate(seqs, request):
+            if not self._fits(seqs, request):
                 break
             for seq in seqs:
                 self._start(seq, request)
@@ -365,6 +361,11 @@ class Scheduler:
                 batch.add(seq, n)
                 budget -= n
         return budget
+
+    def _fits(self, seqs: list[Sequence], request: Request) -> bool:
+        """Admission's test: max_num_seqs has room for seqs and their blocks fit."""
+        return (len(self.running) + len(seqs) <= self.config.max_num_seqs
+                and self._can_allocate(seqs, request))
 
     def _can_allocate(self, seqs: list[Sequence], request: Request) -> bool:
         need = sum(self.blocks.blocks_needed(s.num_tokens) for s in seqs)

@@ -89,7 +89,7 @@ class Request:
     watch_stop_strings: bool = False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
     token_columns: bool = False  # its plain decode news may travel in wire.Outputs' columns
     # its decode steps may run ahead of their sampling (coordinator/run_ahead.py): token
-    # columns, drawn greedily or with a temperature alone, no LAST_GENERATED scoring
+    # columns, a batch draw (greedy, temperature or plain), no LAST_GENERATED scoring
     runs_ahead: bool = False
     error_code: int | None = None
     error_message: str | None = None

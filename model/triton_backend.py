@@ -28,9 +28,9 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
     """splits(batch, kv_heads): the decode KV split count, the largest power of two for
     which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM (at least
     1), capped at ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a kernel variant to
-    compile (a handful, not one per batch size). Fewer KV heads never mean fewer splits, so
-    a workspace sized for one KV head fits every batch."""
+    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a
+    kernel variant to compile (a handful, not one per batch size). Fewer KV heads never mean
+    fewer splits, so a workspace sized for one KV head fits every batch."""
     import triton
 
     from model.kernels import num_kv_splits_for
