@@ -11,9 +11,11 @@ Rank 0 runs the coordinator and spawns the API process; other ranks run the work
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--async-scheduling runs at TP 1 only (TP is {world_size}: plans "
                          f"carry their token ids; docs/async_scheduling.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # `kill -USR1 <pid>`: every thread's Python stack to stderr, to diagnose a hung rank
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.nproc_per_node and not is_local_rank():
         if args.nproc_per_node < 1 or args.prompt is not None:
             raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")

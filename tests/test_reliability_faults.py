@@ -199,8 +199,10 @@ def test_sigkill_api_process_ends_rank0_nonzero(busy):
         try:
             rc = server.proc.wait(15)
         except subprocess.TimeoutExpired:
+            os.kill(server.proc.pid, signal.SIGUSR1)  # its threads' stacks into the log
+            time.sleep(1)
             pytest.fail(f"rank 0 still running 15 s after the API process was SIGKILLed:\n"
-                        f"{server.log_tail()}")
+                        f"{server.log_tail(12000)}")
         assert rc != 0, server.log_tail()
         assert time.monotonic() - start < 15
         assert "API process exited" in server.log_tail()
