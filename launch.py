@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
     a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
       help="launch the next decode step before this one's sampled tokens reach the host "
-           "(default: on CUDA at TP 1; docs/async_scheduling.md)")
+           "(default: on CUDA; docs/async_scheduling.md)")
     a("--no-prefix-caching", action="store_true")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
@@ -157,10 +157,6 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = args.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
-    if args.async_scheduling and world_size > 1:  # before any rank loads a model
-        raise SystemExit(f"--async-scheduling runs at TP 1 only (TP is {world_size}: plans "
-                         f"carry their token ids; docs/async_scheduling.md)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # `kill -USR1 <pid>`: every thread's Python stack to stderr, to diagnose a hung rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)

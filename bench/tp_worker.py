@@ -9,13 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.offline import config_dir, workload  # noqa: E402
+from bench.offline import config_dir, print_step_profile, workload  # noqa: E402
 from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
+from ranks.plan import StepKind, StepPlan  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -28,7 +30,7 @@ def drain(engine) -> None:
         engine.step()
 
 
-def batch1_decode_ms(engine, device, context: int, steps: int) -> float:
+def batch1_decode_ms(engine, device, context: int, steps: int, profile_steps: int = 0) -> float:
     engine.add_request("b1", [i % 1000 + 1 for i in range(context)],
                        SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True))
     for _ in range(4):
@@ -39,8 +41,40 @@ def batch1_decode_ms(engine, device, context: int, steps: int) -> float:
         engine.step()
     sync(device)
     elapsed = (time.perf_counter() - start) / steps
+    if profile_steps:
+        print_step_profile(engine, profile_steps)
     drain(engine)
     return elapsed * 1e3
+
+
+def batch1_plan(runner, context: int) -> StepPlan:
+    """A batch-1 decode plan at `context` over blocks 0.. (the bench's KV is scratch)."""
+    blocks = -(-context // runner.cfg.block_size)
+    last = np.array([context - 1], np.int64)
+    plan = StepPlan(kind=StepKind.DECODE, input_ids=np.array([1], np.int64), positions=last,
+                    slot_mapping=last, query_start_loc=np.array([0, 1], np.int32),
+                    context_lens=np.array([context], np.int32),
+                    block_tables=np.arange(blocks, dtype=np.int32)[None],
+                    logit_rows=np.array([0], np.int64))
+    plan.graph_bucket = runner.graph_bucket_for(plan)
+    return plan
+
+
+def plan_replay_ms(engine, device, context: int, steps: int, wait: bool) -> float:
+    """One plan sent and run per step, without the coordinator: with `wait`, rank 0 waits
+    for each step's greedy id on the host before sending the next plan (the sync a step
+    needs); without, the host runs ahead and the figure is the ranks' GPU time per step."""
+    plan, runner = batch1_plan(engine.runner, context), engine.runner
+    for i in range(steps + 4):
+        if i == 4:
+            sync(device)
+            start = time.perf_counter()
+        engine.send_plan(plan)
+        ids = runner.execute(plan).logits.argmax(-1)
+        if wait:
+            ids.tolist()
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3
 
 
 def ttft_ms(engine, device, prompt_len: int) -> float:
@@ -77,6 +111,8 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--json", required=True)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="print torch.profiler's kernel time of this many batch-1 steps (rank 0)")
     args = p.parse_args()
     config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
                           device=args.device, max_model_len=args.max_model_len,
@@ -91,7 +127,11 @@ def main() -> None:
     figures = {
         "tp": ctx.world_size,
         "all_reduce": "nccl" if runner.tp.one_shot is None else runner.tp.one_shot.mode,
-        "batch1_decode_ms": round(batch1_decode_ms(engine, device, args.context, args.steps), 3),
+        "batch1_decode_ms": round(batch1_decode_ms(engine, device, args.context, args.steps,
+                                                            args.profile_steps), 3),
+        # the batch-1 step without the coordinator's host work (plan_replay_ms)
+        "batch1_plan_and_wait_ms": round(plan_replay_ms(engine, device, args.context, args.steps, True), 3),
+        "batch1_gpu_ms": round(plan_replay_ms(engine, device, args.context, args.steps, False), 3),
         "ttft_prompt_tokens": min(1024, args.max_model_len // 2),
         "ttft_ms": round(ttft_ms(engine, device, min(1024, args.max_model_len // 2)), 2),
         "throughput_tokens_per_s": round(throughput(engine, device, args.num_seqs, args.max_len), 1),

@@ -41,7 +41,7 @@ class EngineConfig:
     output_workers: int = 0
     enforce_eager: bool = False
     seed: int = 0
-    async_scheduling: bool | None = None  # None: on CUDA at TP 1 (coordinator/run_ahead.py)
+    async_scheduling: bool | None = None  # None: on CUDA (coordinator/run_ahead.py)
 
     def __post_init__(self) -> None:
         if self.custom_output_reuse not in ("omit", "recompute"):

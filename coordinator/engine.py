@@ -50,7 +50,7 @@ class EngineOptions:
     seed: int = 0
     output_workers: int = 0  # custom-output dispatch threads (0 = serial)
     # plain decode steps run ahead of their sampling (coordinator/run_ahead.py); None: on
-    # CUDA at TP 1, where it pays (the CPU computes synchronously anyway)
+    # CUDA, where it pays (the CPU computes synchronously anyway)
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -97,10 +97,7 @@ class Engine(TokenSteps):
 
     @staticmethod
     def _wants_run_ahead(asked: bool | None, runner: ModelRunner) -> bool:
-        tp = runner.tp.size
-        if asked and tp > 1:  # the other ranks would need the sampled ids on their GPUs
-            raise ValueError(f"async scheduling runs at TP 1 only (TP is {tp})")
-        return runner.device.type == "cuda" and tp == 1 if asked is None else asked
+        return runner.device.type == "cuda" if asked is None else asked
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -201,7 +198,8 @@ class Engine(TokenSteps):
             if keep is not None:  # rows finished since: their successors are dropped
                 ids = ids[to_device(keep, ids.device)]
                 params = params and [params[i] for i in keep.tolist()]
-            result = self.runner.execute(plan, input_ids=ids)  # TP 1: no plan to send
+            self.send_plan(plan)  # plan.ids_from_rank0: the ids follow on the GPUs
+            result = self.runner.execute(plan, input_ids=ids)
             self.num_steps += 1
             self._launch_ahead(batch, result.logits, ahead.draw, params)
         self._finish_ahead(ahead, outputs)

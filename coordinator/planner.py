@@ -80,7 +80,8 @@ class Planner:
                                       self._range(len(seqs)))
             if not batch.has_special_rows and not batch.block_copies:  # a steady step may follow
                 spare = last.plan.wire.buffer if last is not None else None  # used up
-                plan = PlanMessage(plan, self._table_width(tables.shape[1]), spare).plan(plan.kind)
+                plan = PlanMessage(plan, self._table_width(tables.shape[1]), spare).plan(
+                    plan.kind, ids_from_rank0=plan.ids_from_rank0)
                 self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, False)
             return plan, rows
         one_token = np.asarray(counts) == 1
@@ -110,6 +111,7 @@ class Planner:
                 plan = wire.plan(StepKind.DECODE)
             plan.block_tables[grown, batch.grown_cols] = blocks
             plan.slot_mapping[grown] = blocks * self.block_size  # its first slot
+        plan.ids_from_rank0 = batch.last_token_ids is None
         return plan
 
     def _table_width(self, width: int) -> int:
@@ -277,7 +279,7 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
         positions=positions.astype(np.int64), slot_mapping=slots,
         query_start_loc=arange.astype(np.int32), context_lens=context_lens,
         block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
-        block_copies=_copies(batch))
+        block_copies=_copies(batch), ids_from_rank0=ids is None)
     return plan, rows
 
 

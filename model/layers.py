@@ -32,6 +32,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
+        """x as rank 0 has it, on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
     def gather_to_rank0(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate each rank's [..., n] along the last dim on rank 0 (None elsewhere)."""
         if self.size == 1:

@@ -44,6 +44,10 @@ class StepPlan:
     custom_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # rows for the handler
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (src, dst)
     graph_bucket: int = -1  # CUDA-graph batch bucket, -1 = eager
+    # a decode step scheduled ahead of its predecessor's sampling (coordinator/run_ahead.py):
+    # its token ids are still on rank 0's GPU and reach every rank in a broadcast from rank 0
+    # at the start of this step (ModelRunner.execute); input_ids holds placeholders
+    ids_from_rank0: bool = False
     # rank 0 only: the message whose data the arrays are views of (PlanMessage), if any
     wire: "PlanMessage | None" = field(default=None, compare=False, repr=False)
 
@@ -58,14 +62,15 @@ class StepPlan:
 
 # the wire's order: the block tables last, so that a laid-out message widens them in place
 _ARRAY_FIELDS = [f.name for f in fields(StepPlan)
-                 if f.name not in ("kind", "graph_bucket", "wire", "block_tables")] + ["block_tables"]
+                 if f.name not in ("kind", "graph_bucket", "ids_from_rank0", "wire", "block_tables")] + ["block_tables"]
 _ALIGN = 8  # each array starts 8-aligned in the data blob (aligned in a copy of the blob;
 # views of a received buffer are as aligned as the blob's start there, which numpy and torch
 # read either way)
-# The message is one msgpack map: {"kind": int, "graph_bucket": int, "arrays": [[dtype, shape],
-# ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
+# The message is one msgpack map: {"kind": int, "graph_bucket": int, "ids_from_rank0": bool,
+# "arrays": [[dtype, shape], ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
 # arrays' bytes straight into the broadcast buffer after the packed head.
-_HEAD_KEYS = [msgpack.packb(k) for k in ("kind", "graph_bucket", "arrays", "data")]
+_HEAD_KEYS = [msgpack.packb(k) for k in ("kind", "graph_bucket", "ids_from_rank0", "arrays",
+                                          "data")]
 TRANSPORT_HEADER_BYTES = 16  # room a PlanMessage leaves before its head (PlanChannel's header)
 
 
@@ -79,13 +84,20 @@ def _int32(value: int) -> bytes:
     return b"\xd2" + int(value).to_bytes(4, "big", signed=True)
 
 
-def _pack_head(kind: int, bucket: int, arrays: list[np.ndarray]) -> bytes:
+def _head_fields(plan: StepPlan) -> tuple[int, int, bool]:
+    """What a message's head says besides its arrays' layout."""
+    return plan.kind, plan.graph_bucket, plan.ids_from_rank0
+
+
+def _pack_head(fields: tuple[int, int, bool], arrays: list[np.ndarray]) -> bytes:
     """The message up to (and with the header of) its data bin."""
-    kind_key, bucket_key, arrays_key, data_key = _HEAD_KEYS
+    kind_key, bucket_key, ids_key, arrays_key, data_key = _HEAD_KEYS
+    kind, bucket, ids_from_rank0 = fields
     layout = [b"\x92" + msgpack.packb(a.dtype.str) + bytes([0x90 | a.ndim])
               + b"".join(map(_int32, a.shape)) for a in arrays]
     data_bytes = sum(_padded(a.nbytes) for a in arrays)
-    return b"".join((b"\x84", kind_key, _int32(kind), bucket_key, _int32(bucket), arrays_key,
+    return b"".join((b"\x85", kind_key, _int32(kind), bucket_key, _int32(bucket),
+                     ids_key, b"\xc3" if ids_from_rank0 else b"\xc2", arrays_key,
                      bytes([0x90 | len(arrays)]), *layout,
                      data_key, b"\xc6", data_bytes.to_bytes(4, "big")))  # bin 32 header
 
@@ -97,7 +109,7 @@ class EncodedPlan:
 
     def __init__(self, plan: StepPlan):
         self.arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
-        self.head = _pack_head(plan.kind, plan.graph_bucket, self.arrays)
+        self.head = _pack_head(_head_fields(plan), self.arrays)
         self.nbytes = len(self.head) + sum(_padded(a.nbytes) for a in self.arrays)
 
     def write_into(self, out: np.ndarray) -> None:
@@ -142,15 +154,14 @@ class PlanMessage:
             self.views.append(self._view(pos, a.dtype, a.shape))
             self._tables_at = pos  # the last array's offset
             pos += _padded(a.nbytes)
-        # (kind, graph_bucket) of the head written
-        self._sealed: tuple[int, int] | None = (plan.kind, plan.graph_bucket)
+        self._sealed: tuple[int, int, bool] | None = _head_fields(plan)  # the head's
 
     def _view(self, pos: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         return self.buffer[pos:pos + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
 
-    def plan(self, kind: StepKind, graph_bucket: int = -1) -> StepPlan:
+    def plan(self, kind: StepKind, graph_bucket: int = -1, ids_from_rank0: bool = False) -> StepPlan:
         """A plan whose arrays are this message's views."""
-        return StepPlan(kind, graph_bucket=graph_bucket, wire=self,
+        return StepPlan(kind, graph_bucket=graph_bucket, ids_from_rank0=ids_from_rank0, wire=self,
                         **dict(zip(_ARRAY_FIELDS, self.views)))
 
     def holds(self, plan: StepPlan) -> bool:
@@ -177,12 +188,13 @@ class PlanMessage:
         return True
 
     def seal(self, plan: StepPlan) -> None:
-        """Write plan's head (its kind and graph bucket) in front of the data, unless the
-        last seal wrote the same."""
-        if self._sealed != (plan.kind, plan.graph_bucket):
-            head = _pack_head(plan.kind, plan.graph_bucket, self.views)
+        """Write plan's head (its kind, graph bucket and ids_from_rank0) in front of the
+        data, unless the last seal wrote the same."""
+        fields = _head_fields(plan)
+        if self._sealed != fields:
+            head = _pack_head(fields, self.views)
             self.buffer[self.data_start - len(head):self.data_start] = np.frombuffer(head, np.uint8)
-            self._sealed = (plan.kind, plan.graph_bucket)
+            self._sealed = fields
 
 
 def encode_plan(plan: StepPlan) -> bytes:
@@ -250,7 +262,10 @@ def _decode_body(body: dict, blob: np.ndarray | None) -> StepPlan:
             pos += _padded(arrays[name].nbytes)
         if pos != blob.size:
             raise ValueError(f"plan data is {blob.size} bytes, its arrays take {pos}")
-        return StepPlan(kind=StepKind(body["kind"]), graph_bucket=int(body["graph_bucket"]), **arrays)
+        if type(body["ids_from_rank0"]) is not bool:
+            raise TypeError(f"ids_from_rank0 is {body['ids_from_rank0']!r}, not a bool")
+        return StepPlan(kind=StepKind(body["kind"]), graph_bucket=int(body["graph_bucket"]),
+                        ids_from_rank0=body["ids_from_rank0"], **arrays)
     except (TypeError, KeyError, OverflowError, SyntaxError, msgpack.UnpackException) as e:
         # (numpy's dtype parser raises SyntaxError for some strings, int() OverflowError)
         raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e

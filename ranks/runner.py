@@ -77,6 +77,8 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # a step scheduled ahead at TP > 1: its ids, broadcast from rank 0 (StepPlan.ids_from_rank0)
+        self._rank0_ids = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=cfg.device)
         self.graphs: DecodeGraphs | None = None
         if cfg.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs,
@@ -146,12 +148,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, kv_caches=None,
                 input_ids: torch.Tensor | None = None) -> StepOutput | None:
-        """input_ids: the plan's token ids already on the device (a step scheduled ahead of
-        its predecessor's sampling, at TP 1), in place of plan.input_ids."""
+        """input_ids: on rank 0, the plan's token ids already on the device (a step scheduled
+        ahead of its predecessor's sampling, plan.ids_from_rank0), in place of plan.input_ids;
+        at TP > 1 every rank takes them from rank 0 in a broadcast first."""
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         self._copy_blocks(plan.block_copies, kv_caches)
         if plan.num_tokens == 0:
             return None
+        if plan.ids_from_rank0 and self.tp.size > 1:
+            input_ids = self._ids_from_rank0(plan.num_tokens, input_ids)
         if plan.graph_bucket >= 0:
             hidden = self.graphs.replay(plan, input_ids)
         else:
@@ -163,6 +168,14 @@ class ModelRunner:
         elif plan.logit_rows.size:
             logits = self.model.compute_logits(hidden[self._tensor(plan.logit_rows)])
         return StepOutput(hidden, logits)
+
+    def _ids_from_rank0(self, n: int, ids: torch.Tensor | None) -> torch.Tensor:
+        """Rank 0's ids (ids, on its device) on every rank: one broadcast in the GPU stream,
+        so no rank's host waits for them (ranks other than 0 pass None)."""
+        received = self._rank0_ids[:n]
+        if self.tp.rank == 0:
+            received.copy_(ids)
+        return self.tp.broadcast_from_rank0(received)
 
     def forward_context(self, plan: StepPlan, kv_caches) -> ForwardContext:
         attn = AttentionMetadata(

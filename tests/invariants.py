@@ -109,6 +109,7 @@ def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size
         check_ahead_plan(batch, plan, rows, block_size)
         return
     assert batch.last_token_ids == [s.token_ids[-1] for s in seqs], "newest tokens"
+    assert not plan.ids_from_rank0, "a plan with its ids says they come from rank 0's device"
     assert batch.table_stamps == [s.block_table_version for s in seqs], "table stamps"
     special = any(s.scoring_reason is not None or s.num_computed_tokens < s.num_prompt_tokens
                   for s in seqs)
@@ -164,6 +165,7 @@ def check_ahead_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
         assert table[:width].tolist() == s.block_table and not table[width:].any(), "table"
     assert plan.query_start_loc.tolist() == list(range(len(seqs) + 1))
     assert not plan.custom_rows.size and not plan.block_copies.size
+    assert plan.ids_from_rank0, "an ahead plan's ids come from rank 0's device"
 
 
 def check_wire(plan: StepPlan) -> None:
@@ -173,7 +175,8 @@ def check_wire(plan: StepPlan) -> None:
     wire.seal(plan)
     start = wire.start + TRANSPORT_HEADER_BYTES
     sent = decode_plan(memoryview(wire.buffer[start:start + wire.nbytes]))
-    assert (sent.kind, sent.graph_bucket) == (plan.kind, plan.graph_bucket)
+    assert (sent.kind, sent.graph_bucket, sent.ids_from_rank0) == \
+        (plan.kind, plan.graph_bucket, plan.ids_from_rank0)
     for name in _ARRAY_FIELDS:
         got, ref = getattr(sent, name), getattr(plan, name)
         assert got.dtype == ref.dtype and np.array_equal(got, ref), f"wire {name}"

@@ -87,3 +87,23 @@ def test_gpu_tp2_bfloat16_batch1_agreement_with_transformers(tmp_path):
     hf, total, _, _ = _agreement(str(path), prompts, seqs)
     assert total > 100, total
     assert hf >= 0.99, (hf, total)
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_gpu_tp2_running_ahead_matches_synchronous_tp1(tmp_path, eager):
+    """The CUDA default at TP 2 runs decode steps ahead of their sampling, the ids reaching
+    rank 1 in an NCCL broadcast in the stream: float32 greedy tokens equal the synchronous
+    TP 1 engine's, with requests ending one by one; no KV block leaks."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ahead", "qwen3")
+    reqs = [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
+            for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
+    engine = {"model": str(ckpt), "device": "cuda", "dtype": "float32", "enforce_eager": eager,
+              "max_num_seqs": 16, "max_model_len": 256}
+    sync = run_tp(tmp_path, "sync", {"engine": {**engine, "async_scheduling": False},
+                                     "requests": reqs}, 1, **NVLS_OFF)
+    ahead = run_tp(tmp_path, "ahead", {"engine": engine, "requests": reqs}, 2, **NVLS_OFF)
+    assert ahead["_ahead_steps"] > 10 and sync["_ahead_steps"] == 0
+    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
+    for i in range(len(reqs)):
+        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"

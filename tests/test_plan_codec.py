@@ -13,9 +13,9 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_
           "block_tables", "logit_rows", "custom_rows", "block_copies")
 
 
-def _plan(rng: np.random.Generator, rows: int, width: int) -> StepPlan:
+def _plan(rng: np.random.Generator, rows: int, width: int, ids_from_rank0: bool = False) -> StepPlan:
     return StepPlan(
-        kind=StepKind.MIXED, graph_bucket=3,
+        kind=StepKind.MIXED, graph_bucket=3, ids_from_rank0=ids_from_rank0,
         input_ids=rng.integers(0, 1 << 40, rows * 2), positions=np.arange(rows * 2),
         slot_mapping=rng.integers(-1, 1000, rows * 2),
         query_start_loc=np.arange(0, rows * 2 + 1, 2, dtype=np.int32),
@@ -26,7 +26,8 @@ def _plan(rng: np.random.Generator, rows: int, width: int) -> StepPlan:
 
 
 def _same(a: StepPlan, b: StepPlan) -> bool:
-    return (a.kind is b.kind and a.graph_bucket == b.graph_bucket and all(
+    return (a.kind is b.kind and a.graph_bucket == b.graph_bucket
+            and a.ids_from_rank0 is b.ids_from_rank0 and all(
         np.array_equal(getattr(a, f), getattr(b, f)) and getattr(a, f).dtype == getattr(b, f).dtype
         for f in FIELDS))
 
@@ -34,8 +35,9 @@ def _same(a: StepPlan, b: StepPlan) -> bool:
 def test_round_trips_through_a_reused_buffer() -> None:
     rng = np.random.default_rng(0)
     buffer = rng.integers(0, 256, 1 << 16, dtype=np.uint8)  # stale bytes everywhere
-    for rows, width in [(0, 0), (1, 1), (3, 5), (7, 3), (33, 17)]:
-        plan = _plan(rng, rows, width)
+    for rows, width, ids_from_rank0 in [(0, 0, False), (1, 1, True), (3, 5, False),
+                                        (7, 3, True), (33, 17, False)]:
+        plan = _plan(rng, rows, width, ids_from_rank0)
         encoded = EncodedPlan(plan)
         encoded.write_into(buffer)
         got = decode_plan(memoryview(buffer[:encoded.nbytes]))
@@ -51,7 +53,7 @@ def test_round_trips_through_a_reused_buffer() -> None:
 def test_the_message_is_one_msgpack_map_with_the_data_last() -> None:
     plan = _plan(np.random.default_rng(1), 4, 6)
     body = msgpack.unpackb(encode_plan(plan), raw=False)
-    assert list(body) == ["kind", "graph_bucket", "arrays", "data"]
+    assert list(body) == ["kind", "graph_bucket", "ids_from_rank0", "arrays", "data"]
     assert body["arrays"][-1] == ["<i4", [4, 6]]  # block_tables, last on the wire
     assert len(body["data"]) % 8 == 0
 
@@ -76,6 +78,7 @@ def test_malformed_messages_are_value_errors() -> None:
                          (broken(data=good["data"] + b"\0" * 8), "bytes"),
                          (broken(data=good["data"][:-16]), "past the data"),
                          (msgpack.packb({k: v for k, v in good.items() if k != "kind"}), "KeyError"),
+                         (broken(ids_from_rank0=1), "not a bool"),
                          (msgpack.packb([1, 2, 3]), "malformed")]:
         with pytest.raises(ValueError, match=why):
             decode_plan(message)
@@ -108,12 +111,12 @@ def test_the_quick_head_reader_accepts_nothing_msgpack_refuses() -> None:
     body = msgpack.unpackb(encode_plan(plan), raw=False)
     entries = b"".join(msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
                        for k, v in body.items())
-    for message in (b"\x85" + entries,  # five entries declared, four there
-                    b"\x85\x01\x01" + entries):  # an int key
+    for message in (b"\x86" + entries,  # six entries declared, five there
+                    b"\x86\x01\x01" + entries):  # an int key
         with pytest.raises(ValueError):
             decode_plan(message)
     # "data" twice, the first not last: read as msgpack reads it (the last value wins)
-    data_twice = b"\x85" + msgpack.packb("data") + msgpack.packb(b"", use_bin_type=True) + entries
+    data_twice = b"\x86" + msgpack.packb("data") + msgpack.packb(b"", use_bin_type=True) + entries
     assert _same(decode_plan(data_twice), plan)
     for bad in ([",", [1]], ["<i8", [float("inf")]]):
         broken = dict(body, arrays=[bad] + body["arrays"][1:])

@@ -150,6 +150,25 @@ def test_tp2_prefix_cache_and_preemption_as_tp1(tmp_path):
         [two[str(i)]["cached"] for i in range(len(reqs))]
 
 
+def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
+    """Decode steps scheduled ahead of their predecessor's sampling at TP 2: every rank takes
+    the ids from rank 0's broadcast (StepPlan.ids_from_rank0), so the tokens and finishes
+    equal the synchronous TP 1 engine's (greedy), with requests ending one by one (wasted
+    rows); no KV block leaks. Rank 1 reading the plan's placeholder ids
+    instead would change the tokens."""
+    ckpt = make_tiny_checkpoint(tmp_path / "ahead", "qwen3")
+    reqs = [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
+            for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
+    sync = run_tp(tmp_path, "sync", {"engine": {"model": str(ckpt), "async_scheduling": False},
+                                     "requests": reqs}, 1)
+    ahead = run_tp(tmp_path, "ahead", {"engine": {"model": str(ckpt), "async_scheduling": True},
+                                       "requests": reqs}, 2)
+    assert ahead["_ahead_steps"] > 10 and sync["_ahead_steps"] == 0
+    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
+    for i in range(len(reqs)):
+        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+
+
 def test_tp_sweep_runs_on_cpu(tmp_path):
     """bench/tp_sweep.py end to end at TP 1 and 2 on gloo: table, JSON and PNG written."""
     cfg = tmp_path / "cfg.json"

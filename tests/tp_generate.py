@@ -46,6 +46,7 @@ def main(spec_file: str, out_file: str) -> None:
                 record(results, out)
     results["_free_blocks"] = [engine.blocks.num_free_blocks, engine.blocks.num_blocks]
     results["_preemptions"] = preemptions[0]
+    results["_ahead_steps"] = engine.num_ahead_steps
     results["_backend"] = dist.get_backend() if dist.is_initialized() else None
     one_shot = engine.runner.tp.one_shot  # model/allreduce.py, TAPSERVE_ALLREDUCE
     results["_allreduce"] = "nccl" if one_shot is None else one_shot.mode
