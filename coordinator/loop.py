@@ -26,6 +26,7 @@ from ranks.plan import StepKind, StepPlan
 
 log = logging.getLogger("tapserve.coordinator")
 HEARTBEAT_SECONDS = 1.0
+STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
 
@@ -170,7 +171,7 @@ class CoordinatorLoop:
             self._drain_announced = True
 
     def _drained(self) -> bool:
-        if not self.engine.requests:
+        if not self.engine.requests and not self.engine.has_work():  # no step in flight
             return True
         if time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout:
             return False
@@ -183,6 +184,11 @@ class CoordinatorLoop:
     def _stop(self) -> None:
         self._flush_to_api(wire.encode(wire.Shutdown("engine stopped")))
         if self.channel is not None:
+            # a step may be in flight (a failure exit): its collectives should end on every
+            # GPU before the stop plan lets the other ranks leave
+            if not self.engine.runner.wait_idle(STOP_WAIT_SECONDS):
+                log.warning("a step still runs on the GPU %.0f s on; stopping anyway",
+                            STOP_WAIT_SECONDS)
             try:
                 self.channel.send(StepPlan(kind=StepKind.STOP))
             except RuntimeError:

@@ -1,12 +1,13 @@
 """Asynchronous scheduling: a decode step launched before its predecessor's tokens are home.
 
 A synchronous step leaves the GPU idle while the host waits for the sampled ids, appends
-them, checks stops, builds the outputs and plans the next step. At TP 1 the engine instead
+them, checks stops, builds the outputs and plans the next step. The engine instead
 keeps one plain decode step in flight (`AheadStep`): its ids are sampled on the device and
 copied to pinned memory, and the next step is scheduled from the scheduler's arrays
 (`Scheduler.schedule_ahead`), which need no token, and launched with those ids as its input
-(`ModelRunner.execute(..., input_ids=)`). Only then does the host wait for the first step's
-ids and do its work, while the GPU runs the second.
+(`ModelRunner.execute(..., input_ids=)`; at TP > 1 its plan goes out first, and every rank
+takes the ids from a broadcast from rank 0: `StepPlan.ids_from_rank0`). Only then does the
+host wait for the first step's ids and do its work, while the GPU runs the second.
 
 A sequence that finishes in a step was already scheduled into the next one: that row's
 compute is wasted (it writes the KV of the sequence's last token, in the slot after its

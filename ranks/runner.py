@@ -2,6 +2,7 @@
 uses the logits and the hidden states of `custom_rows`."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -176,6 +177,20 @@ class ModelRunner:
         if self.tp.rank == 0:
             received.copy_(ids)
         return self.tp.broadcast_from_rank0(received)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait, up to timeout seconds, until this rank's GPU has run every step launched so
+        far; False if it has not (a collective waiting on a peer that is gone)."""
+        if self.device.type != "cuda":
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def forward_context(self, plan: StepPlan, kv_caches) -> ForwardContext:
         attn = AttentionMetadata(

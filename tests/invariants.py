@@ -166,6 +166,8 @@ def check_ahead_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
     assert plan.query_start_loc.tolist() == list(range(len(seqs) + 1))
     assert not plan.custom_rows.size and not plan.block_copies.size
     assert plan.ids_from_rank0, "an ahead plan's ids come from rank 0's device"
+    if plan.wire is not None:  # advanced in place: its (re-sealed) message says so too
+        check_wire(plan)
 
 
 def check_wire(plan: StepPlan) -> None:

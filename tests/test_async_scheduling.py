@@ -222,9 +222,12 @@ def test_async_scheduling_defaults_to_on_for_cuda_at_any_tp():
 
     from coordinator.engine import Engine
 
-    class Runner:  # only what the choice reads
+    from model.layers import TPGroup
+
+    class Runner:  # what the choice could read: the device and the TP group
         def __init__(self, device: str):
             self.device = torch.device(device)
+            self.tp = TPGroup(rank=0, size=2)
 
     assert Engine._wants_run_ahead(None, Runner("cuda")) is True
     assert Engine._wants_run_ahead(None, Runner("cpu")) is False
@@ -272,3 +275,30 @@ def test_a_live_server_running_ahead_streams_the_synchronous_tokens(demo_dir, ra
     finally:
         assert server.stop() == 0, server.log_tail()
 
+
+
+def test_a_drain_ends_only_after_the_step_in_flight(demo_dir, tmp_path):
+    """When the last request finishes in the host work of a step run ahead, the step after
+    it (its row wasted) is already launched. The serving loop's drain waits for that step
+    to finish too: at TP > 1 the stop plan must not let the other ranks leave while its
+    collectives are queued on the GPUs."""
+    import time
+
+    from coordinator.loop import CoordinatorLoop, LoopSettings
+    engine = make_llm(demo_dir, num_kv_blocks=96, max_model_len=256, async_scheduling=True).engine
+    engine.add_request("last", random_prompts([12], 1000, seed=3)[0], greedy(6))
+    loop = CoordinatorLoop(engine, LoopSettings(ipc_dir=str(tmp_path)), None, None)
+    try:
+        loop.stop_requested_at = time.monotonic()
+        in_flight_after_the_last_output = 0
+        while engine.has_work():
+            engine.step()
+            if not engine.requests and engine.has_work():
+                in_flight_after_the_last_output += 1
+                assert not loop._drained()
+        assert in_flight_after_the_last_output == 1
+        assert loop._drained()
+    finally:
+        loop.incoming.close(0)
+        loop.outgoing.close(0)
+        loop.zmq.term()

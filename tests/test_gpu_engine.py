@@ -131,7 +131,7 @@ def test_bfloat16_batch1_agreement_with_transformers(tmp_path):
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_async_scheduling_gives_the_synchronous_tokens(tmp_path, eager):
-    """Steps launched ahead of their predecessor's sampling (the CUDA default at TP 1, with
+    """Steps launched ahead of their predecessor's sampling (the CUDA default, with
     the ids passed on the device and copied home through pinned memory) give the tokens and
     finishes of the synchronous engine: greedy in float32 with requests ending one by one,
     and in bfloat16, with every request ending together (so the draws' seeds and noise come

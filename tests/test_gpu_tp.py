@@ -107,3 +107,63 @@ def test_gpu_tp2_running_ahead_matches_synchronous_tp1(tmp_path, eager):
     assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
     for i in range(len(reqs)):
         assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+
+
+def _stream_completion(url: str, first_id: int, max_tokens: int) -> tuple[int, int, str | None, bool]:
+    """One streaming greedy completion: (status, chunks with a choice, finish reason, [DONE])."""
+    import json
+
+    import httpx
+    chunks, finish, done = 0, None, False
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": "ckpt", "prompt": [1, 2, first_id], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and json.loads(line[6:]).get("choices"):
+                chunks += 1
+                finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
+    return r.status_code, chunks, finish, done
+
+
+@needs_2_gpus
+def test_gpu_tp2_server_drains_with_steps_in_flight(tmp_path):
+    """`launch.py --nproc-per-node 2` on two GPUs (asynchronous scheduling on, the CUDA
+    default): SIGTERM while 8 greedy streams decode; every stream still ends with its
+    length and [DONE], and the group exits 0 within the drain time (no collective left
+    waiting when the stop plan goes out)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.api_helpers import free_port, wait_healthy
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--nproc-per-node", "2", "--model", str(ckpt), "--device",
+         "cuda", "--port", str(port), "--shutdown-timeout", "20", "--custom-module", "none",
+         "--max-model-len", "512"], stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, **NVLS_OFF}, start_new_session=True)
+    try:
+        assert wait_healthy(url, proc, 240, interval=0.5) == "healthy", \
+            (tmp_path / "server.log").read_text()[-3000:]
+        with ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(_stream_completion, url, 3 + i, 500) for i in range(8)]
+            time.sleep(0.4)
+            os.killpg(proc.pid, signal.SIGTERM)
+            start = time.monotonic()
+            assert proc.wait(60) == 0
+            assert time.monotonic() - start < 20
+            results = [s.result(60) for s in streams]
+        assert all(status == 200 and finish == "length" and done
+                   for status, _, finish, done in results), results
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

@@ -154,8 +154,8 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
     """Decode steps scheduled ahead of their predecessor's sampling at TP 2: every rank takes
     the ids from rank 0's broadcast (StepPlan.ids_from_rank0), so the tokens and finishes
     equal the synchronous TP 1 engine's (greedy), with requests ending one by one (wasted
-    rows); no KV block leaks. Rank 1 reading the plan's placeholder ids
-    instead would change the tokens."""
+    rows); no KV block leaks. Rank 1 reading the plan's placeholder ids instead would
+    change the tokens; a re-sealed message dropping the flag would break the group."""
     ckpt = make_tiny_checkpoint(tmp_path / "ahead", "qwen3")
     reqs = [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
             for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
@@ -167,6 +167,19 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
     assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
     for i in range(len(reqs)):
         assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+    # a full batch of mixed draws (the device's "plain" draw), decoding past 16 block-table
+    # columns (the advanced plan's message widens): equal to the same group run in step
+    mixed = [{"temperature": 0}, {"temperature": 0.8}, {"temperature": 1.0, "top_k": 20},
+             {"temperature": 0.6, "top_p": 0.9}]
+    reqs = [{**r, "params": {"max_new_tokens": 270, "ignore_eos": True, **draw}}
+            for r, draw in zip(_requests([10, 7, 12, 9], {}, seed=8), mixed)]
+    engine = {"model": str(ckpt), "max_num_seqs": 4, "max_model_len": 512}
+    sync, ahead = (run_tp(tmp_path, f"mixed{on}", {"engine": {**engine, "async_scheduling": on},
+                                                   "requests": reqs}, 2) for on in (False, True))
+    assert ahead["_ahead_steps"] > 250 and sync["_ahead_steps"] == 0
+    for i in range(len(reqs)):
+        assert len(ahead[str(i)]["tokens"]["0"]) == 270
+        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"mixed request {i}"
 
 
 def test_tp_sweep_runs_on_cpu(tmp_path):
