@@ -182,14 +182,34 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
         assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"mixed request {i}"
 
 
-def test_tp_sweep_runs_on_cpu(tmp_path):
-    """bench/tp_sweep.py end to end at TP 1 and 2 on gloo: table, JSON and PNG written."""
+def _tiny_config(tmp_path: Path) -> Path:
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
         "tie_word_embeddings": True, "eos_token_id": 2, "torch_dtype": "float32"}))
+    return cfg
+
+
+def test_tp_trace_runs_on_cpu(tmp_path):
+    """bench/tp_trace.py at TP 2 on gloo: per-rank marks in order (rank 1 holds each plan
+    after rank 0 starts sending it, and runs it after it holds it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "bench/tp_trace.py", "--model-config", str(_tiny_config(tmp_path)), "--context", "64",
+         "--steps", "6", "--warmup", "2"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    marks = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    assert marks["rank0.send_start"] == 0 < marks["rank1.recv_end"] < marks["rank1.execute_end"]
+    assert marks["rank0.send_end"] < marks["rank0.execute_end"] <= marks["rank0.ids_home"]
+    assert marks["step"] > 0
+
+
+def test_tp_sweep_runs_on_cpu(tmp_path):
+    """bench/tp_sweep.py end to end at TP 1 and 2 on gloo: table, JSON and PNG written."""
+    cfg = _tiny_config(tmp_path)
     out = tmp_path / "sweep" / "tp"
     proc = subprocess.run(
         [sys.executable, "bench/tp_sweep.py", "--model-config", str(cfg), "--device", "cpu",
@@ -200,5 +220,7 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["tp"] for r in rows] == [1, 2]
     assert all(r["batch1_tokens_per_s"] > 0 and r["throughput_tokens_per_s"] > 0 for r in rows)
+    # the batch-1 step taken apart: plans and waits without the coordinator, GPU time alone
+    assert all(r["batch1_plan_and_wait_ms"] > 0 and r["batch1_gpu_ms"] > 0 for r in rows)
     assert rows[1]["kv_gib_per_rank"] <= rows[0]["kv_gib_per_rank"]
     assert out.with_suffix(".png").stat().st_size > 1000
