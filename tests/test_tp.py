@@ -182,6 +182,27 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
         assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"mixed request {i}"
 
 
+def test_tp2_running_ahead_under_preemption_and_prefix_caching(tmp_path):
+    """The prefix-cache and preemption workload above, without logprobs so that its decode
+    steps run ahead at TP 2 (the pipeline drains for every preemption and admission): the
+    synchronous TP 1 engine's tokens, preemptions and cache hits; no KV block leaks."""
+    ckpt = make_tiny_checkpoint(tmp_path / "pa", "qwen3")
+    plain = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    shared = _requests([48], plain, seed=3)[0]["prompt"]
+    reqs = [{"prompt": shared + tail, "params": plain} for tail in ([1, 2], [5, 6, 7])]
+    reqs += _requests([30, 31, 32, 29], {**plain, "max_new_tokens": 40}, seed=4)
+    engine = {"model": str(ckpt), "num_kv_blocks": 14, "max_num_batched_tokens": 64}
+    sync = run_tp(tmp_path, "pa-sync", {"engine": {**engine, "async_scheduling": False},
+                                        "requests": reqs}, 1)
+    ahead = run_tp(tmp_path, "pa-ahead", {"engine": {**engine, "async_scheduling": True},
+                                          "requests": reqs}, 2)
+    assert ahead["_ahead_steps"] > 20 and ahead["_preemptions"] == sync["_preemptions"] > 0
+    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
+    for i in range(len(reqs)):
+        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+        assert ahead[str(i)]["cached"] == sync[str(i)]["cached"], f"request {i} cache hits"
+
+
 def _tiny_config(tmp_path: Path) -> Path:
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({
