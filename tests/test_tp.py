@@ -243,5 +243,6 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
     assert all(r["batch1_tokens_per_s"] > 0 and r["throughput_tokens_per_s"] > 0 for r in rows)
     # the batch-1 step taken apart: plans and waits without the coordinator, GPU time alone
     assert all(r["batch1_plan_and_wait_ms"] > 0 and r["batch1_gpu_ms"] > 0 for r in rows)
+    assert "| GPU ms |" in out.with_suffix(".md").read_text()
     assert rows[1]["kv_gib_per_rank"] <= rows[0]["kv_gib_per_rank"]
     assert out.with_suffix(".png").stat().st_size > 1000
