@@ -60,17 +60,19 @@ class StepPlan:
         return int(self.context_lens.shape[0])
 
 
+# the plan's scalars, written in the message's head (_pack_head) in this order
+_HEAD_FIELDS = ("kind", "graph_bucket", "ids_from_rank0")
 # the wire's order: the block tables last, so that a laid-out message widens them in place
 _ARRAY_FIELDS = [f.name for f in fields(StepPlan)
-                 if f.name not in ("kind", "graph_bucket", "ids_from_rank0", "wire", "block_tables")] + ["block_tables"]
+                 if f.name not in (*_HEAD_FIELDS, "wire", "block_tables")] + ["block_tables"]
 _ALIGN = 8  # each array starts 8-aligned in the data blob (aligned in a copy of the blob;
 # views of a received buffer are as aligned as the blob's start there, which numpy and torch
 # read either way)
 # The message is one msgpack map: {"kind": int, "graph_bucket": int, "ids_from_rank0": bool,
-# "arrays": [[dtype, shape], ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so that the sender can write the
-# arrays' bytes straight into the broadcast buffer after the packed head.
-_HEAD_KEYS = [msgpack.packb(k) for k in ("kind", "graph_bucket", "ids_from_rank0", "arrays",
-                                          "data")]
+# "arrays": [[dtype, shape], ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so
+# that the sender can write the arrays' bytes straight into the broadcast buffer after the
+# packed head.
+_HEAD_KEYS = [msgpack.packb(k) for k in (*_HEAD_FIELDS, "arrays", "data")]
 TRANSPORT_HEADER_BYTES = 16  # room a PlanMessage leaves before its head (PlanChannel's header)
 
 
@@ -85,7 +87,8 @@ def _int32(value: int) -> bytes:
 
 
 def _head_fields(plan: StepPlan) -> tuple[int, int, bool]:
-    """What a message's head says besides its arrays' layout."""
+    """What a message's head says besides its arrays' layout: the _HEAD_FIELDS, in order
+    (spelled out: this runs every decode step)."""
     return plan.kind, plan.graph_bucket, plan.ids_from_rank0
 
 
