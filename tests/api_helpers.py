@@ -33,15 +33,17 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`python launch.py --port P *args` in its own session; logs to a temp file."""
+    """`python launch.py --port P --device DEVICE *args` in its own session; logs to a temp
+    file."""
 
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0):
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0,
+                 device: str = "cpu"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tapserve-api-test-", suffix=".log",
                                                delete=False)
-        argv = [sys.executable, "launch.py", "--port", str(self.port), "--device", "cpu", *args]
+        argv = [sys.executable, "launch.py", "--port", str(self.port), "--device", device, *args]
         if api_key:
             argv += ["--api-key", api_key]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

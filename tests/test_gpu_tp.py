@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.checkpoints import make_tiny_checkpoint
-from tests.test_tp import GREEDY, _assert_same_tokens_and_logprobs, _requests, run_tp
+from tests.test_tp import (GREEDY, _assert_same_tokens_and_logprobs, _requests, compare_ahead,
+                           finishing_one_by_one, run_tp)
 
 pytestmark = pytest.mark.gpu
 needs_2_gpus = pytest.mark.skipif(
@@ -96,74 +97,56 @@ def test_gpu_tp2_running_ahead_matches_synchronous_tp1(tmp_path, eager):
     rank 1 in an NCCL broadcast in the stream: float32 greedy tokens equal the synchronous
     TP 1 engine's, with requests ending one by one; no KV block leaks."""
     ckpt = make_tiny_checkpoint(tmp_path / "ahead", "qwen3")
-    reqs = [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
-            for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
     engine = {"model": str(ckpt), "device": "cuda", "dtype": "float32", "enforce_eager": eager,
               "max_num_seqs": 16, "max_model_len": 256}
-    sync = run_tp(tmp_path, "sync", {"engine": {**engine, "async_scheduling": False},
-                                     "requests": reqs}, 1, **NVLS_OFF)
-    ahead = run_tp(tmp_path, "ahead", {"engine": engine, "requests": reqs}, 2, **NVLS_OFF)
-    assert ahead["_ahead_steps"] > 10 and sync["_ahead_steps"] == 0
-    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
-    for i in range(len(reqs)):
-        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+    _, ahead = compare_ahead(tmp_path, "ahead", engine, finishing_one_by_one(), 1, ahead=None,
+                             **NVLS_OFF)
+    assert ahead["_ahead_steps"] > 10
 
 
-def _stream_completion(url: str, first_id: int, max_tokens: int) -> tuple[int, int, str | None, bool]:
-    """One streaming greedy completion: (status, chunks with a choice, finish reason, [DONE])."""
-    import json
-
+def _stream_completion(url: str, first_id: int, max_tokens: int) -> tuple[int, str | None, bool]:
+    """One streaming greedy completion: (status, its last finish reason, ended with [DONE])."""
     import httpx
-    chunks, finish, done = 0, None, False
-    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-            "model": "ckpt", "prompt": [1, 2, first_id], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}) as r:
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: ") and json.loads(line[6:]).get("choices"):
-                chunks += 1
-                finish = json.loads(line[6:])["choices"][0].get("finish_reason") or finish
-    return r.status_code, chunks, finish, done
+
+    from tests.api_helpers import sse_events, sse_json
+    body = {"model": "ckpt", "prompt": [1, 2, first_id], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        events = sse_events(r)
+    finishes = [c["choices"][0]["finish_reason"] for c in sse_json(events) if c.get("choices")]
+    return r.status_code, next((f for f in reversed(finishes) if f), None), events[-1:] == ["[DONE]"]
 
 
-@needs_2_gpus
-def test_gpu_tp2_server_drains_with_steps_in_flight(tmp_path):
-    """`launch.py --nproc-per-node 2` on two GPUs (asynchronous scheduling on, the CUDA
-    default): SIGTERM while 8 greedy streams decode; every stream still ends with its
-    length and [DONE], and the group exits 0 within the drain time (no collective left
-    waiting when the stop plan goes out)."""
-    import os
-    import signal
-    import subprocess
-    import sys
+def drain_with_streams_in_flight(tmp_path, device: str, *args: str) -> None:
+    """A 2-rank server (`launch.py --nproc-per-node 2`) on device gets SIGTERM (to the
+    launcher, which passes it on) while 8 greedy streams decode: every stream still ends
+    with its length and [DONE], and the group exits 0 within the drain time."""
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.api_helpers import free_port, wait_healthy
+    from tests.api_helpers import LiveServer
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "--nproc-per-node", "2", "--model", str(ckpt), "--device",
-         "cuda", "--port", str(port), "--shutdown-timeout", "20", "--custom-module", "none",
-         "--max-model-len", "512"], stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, **NVLS_OFF}, start_new_session=True)
+    server = LiveServer("--nproc-per-node", "2", "--model", str(ckpt), "--shutdown-timeout", "20",
+                        "--custom-module", "none", "--max-model-len", "512", *args,
+                        device=device, startup_timeout=240)
     try:
-        assert wait_healthy(url, proc, 240, interval=0.5) == "healthy", \
-            (tmp_path / "server.log").read_text()[-3000:]
         with ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(_stream_completion, url, 3 + i, 500) for i in range(8)]
+            streams = [pool.submit(_stream_completion, server.url, 3 + i, 500) for i in range(8)]
             time.sleep(0.4)
-            os.killpg(proc.pid, signal.SIGTERM)
             start = time.monotonic()
-            assert proc.wait(60) == 0
+            assert server.stop(timeout=60) == 0, server.log_tail()
             assert time.monotonic() - start < 20
             results = [s.result(60) for s in streams]
         assert all(status == 200 and finish == "length" and done
-                   for status, _, finish, done in results), results
+                   for status, finish, done in results), results
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        server.stop()
+
+
+@needs_2_gpus
+def test_gpu_tp2_server_drains_with_steps_in_flight(tmp_path, monkeypatch):
+    """drain_with_streams_in_flight on two GPUs, asynchronous scheduling on (the CUDA
+    default): no collective is left waiting when the stop plan goes out."""
+    for name, value in NVLS_OFF.items():
+        monkeypatch.setenv(name, value)
+    drain_with_streams_in_flight(tmp_path, "cuda")

@@ -150,6 +150,29 @@ def test_tp2_prefix_cache_and_preemption_as_tp1(tmp_path):
         [two[str(i)]["cached"] for i in range(len(reqs))]
 
 
+def finishing_one_by_one() -> list[dict]:
+    """Greedy requests of 5 to 21 new tokens: they end one by one (a finished row leaves a
+    wasted row in the step run ahead after it)."""
+    return [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
+            for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
+
+
+def compare_ahead(tmp: Path, name: str, engine: dict, reqs: list[dict], sync_ranks: int,
+                  ahead: bool | None = True, **env) -> tuple[dict, dict]:
+    """The requests on a synchronous engine of sync_ranks ranks and at TP 2 with
+    async_scheduling=ahead (None: the device's default): every request's tokens are equal,
+    only the second ran steps ahead, and it leaked no KV block. Returns both results."""
+    sync = run_tp(tmp, f"{name}-sync", {"engine": {**engine, "async_scheduling": False},
+                                        "requests": reqs}, sync_ranks, **env)
+    two = run_tp(tmp, f"{name}-ahead", {"engine": {**engine, "async_scheduling": ahead},
+                                        "requests": reqs}, 2, **env)
+    assert sync["_ahead_steps"] == 0
+    assert two["_free_blocks"][0] == two["_free_blocks"][1], "KV blocks leaked"
+    for i in range(len(reqs)):
+        assert two[str(i)]["tokens"] == sync[str(i)]["tokens"], f"{name} request {i}"
+    return sync, two
+
+
 def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
     """Decode steps scheduled ahead of their predecessor's sampling at TP 2: every rank takes
     the ids from rank 0's broadcast (StepPlan.ids_from_rank0), so the tokens and finishes
@@ -157,16 +180,8 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
     rows); no KV block leaks. Rank 1 reading the plan's placeholder ids instead would
     change the tokens; a re-sealed message dropping the flag would break the group."""
     ckpt = make_tiny_checkpoint(tmp_path / "ahead", "qwen3")
-    reqs = [{**r, "params": {"max_new_tokens": 5 + 4 * i, "temperature": 0, "ignore_eos": True}}
-            for i, r in enumerate(_requests([3, 9, 17, 30, 12], {}, seed=5))]
-    sync = run_tp(tmp_path, "sync", {"engine": {"model": str(ckpt), "async_scheduling": False},
-                                     "requests": reqs}, 1)
-    ahead = run_tp(tmp_path, "ahead", {"engine": {"model": str(ckpt), "async_scheduling": True},
-                                       "requests": reqs}, 2)
-    assert ahead["_ahead_steps"] > 10 and sync["_ahead_steps"] == 0
-    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
-    for i in range(len(reqs)):
-        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
+    _, ahead = compare_ahead(tmp_path, "greedy", {"model": str(ckpt)}, finishing_one_by_one(), 1)
+    assert ahead["_ahead_steps"] > 10
     # a full batch of mixed draws (the device's "plain" draw), decoding past 16 block-table
     # columns (the advanced plan's message widens): equal to the same group run in step
     mixed = [{"temperature": 0}, {"temperature": 0.8}, {"temperature": 1.0, "top_k": 20},
@@ -174,12 +189,9 @@ def test_tp2_running_ahead_gives_the_synchronous_tp1_tokens(tmp_path):
     reqs = [{**r, "params": {"max_new_tokens": 270, "ignore_eos": True, **draw}}
             for r, draw in zip(_requests([10, 7, 12, 9], {}, seed=8), mixed)]
     engine = {"model": str(ckpt), "max_num_seqs": 4, "max_model_len": 512}
-    sync, ahead = (run_tp(tmp_path, f"mixed{on}", {"engine": {**engine, "async_scheduling": on},
-                                                   "requests": reqs}, 2) for on in (False, True))
-    assert ahead["_ahead_steps"] > 250 and sync["_ahead_steps"] == 0
-    for i in range(len(reqs)):
-        assert len(ahead[str(i)]["tokens"]["0"]) == 270
-        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"mixed request {i}"
+    _, ahead = compare_ahead(tmp_path, "mixed", engine, reqs, 2)
+    assert ahead["_ahead_steps"] > 250
+    assert all(len(ahead[str(i)]["tokens"]["0"]) == 270 for i in range(len(reqs)))
 
 
 def test_tp2_running_ahead_under_preemption_and_prefix_caching(tmp_path):
@@ -192,14 +204,9 @@ def test_tp2_running_ahead_under_preemption_and_prefix_caching(tmp_path):
     reqs = [{"prompt": shared + tail, "params": plain} for tail in ([1, 2], [5, 6, 7])]
     reqs += _requests([30, 31, 32, 29], {**plain, "max_new_tokens": 40}, seed=4)
     engine = {"model": str(ckpt), "num_kv_blocks": 14, "max_num_batched_tokens": 64}
-    sync = run_tp(tmp_path, "pa-sync", {"engine": {**engine, "async_scheduling": False},
-                                        "requests": reqs}, 1)
-    ahead = run_tp(tmp_path, "pa-ahead", {"engine": {**engine, "async_scheduling": True},
-                                          "requests": reqs}, 2)
+    sync, ahead = compare_ahead(tmp_path, "pa", engine, reqs, 1)
     assert ahead["_ahead_steps"] > 20 and ahead["_preemptions"] == sync["_preemptions"] > 0
-    assert ahead["_free_blocks"][0] == ahead["_free_blocks"][1], "KV blocks leaked"
     for i in range(len(reqs)):
-        assert ahead[str(i)]["tokens"] == sync[str(i)]["tokens"], f"request {i}"
         assert ahead[str(i)]["cached"] == sync[str(i)]["cached"], f"request {i} cache hits"
 
 
