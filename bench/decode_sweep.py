@@ -24,12 +24,12 @@ from coordinator.sampling_params import SamplingParams  # noqa: E402
 PEAK_BYTES_PER_S = 4.3e12
 
 
-def weight_bytes(llm: LLM) -> int:
-    """Bytes a decode step reads: every parameter once (the embedding only for the batch rows,
-    negligible, so it is left out unless tied to the LM head)."""
+def weight_bytes(runner) -> int:
+    """Weight bytes a decode step reads on this rank: every parameter once (the embedding only
+    for the batch rows, negligible, so it is left out unless tied to the LM head)."""
     total = 0
-    for name, p in llm.runner.model.named_parameters():
-        if name == "embed_tokens.weight" and not llm.runner.model_cfg.tie_word_embeddings:
+    for name, p in runner.model.named_parameters():
+        if name == "embed_tokens.weight" and not runner.model_cfg.tie_word_embeddings:
             continue
         total += p.numel() * p.element_size()
     return total
@@ -117,7 +117,7 @@ def main() -> None:
                            max_num_seqs=max(batches), max_num_batched_tokens=budget,
                            max_model_len=max(run_len, args.max_model_len or 0),
                            enforce_eager=args.enforce_eager, enable_prefix_caching=False))
-    wbytes = weight_bytes(llm)
+    wbytes = weight_bytes(llm.runner)
     kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
     rows = []
     for b in batches:

@@ -46,17 +46,45 @@ def time_per_call(op, weights: list[torch.Tensor], replays: int = 20) -> float:
                               warm_replays=3) / len(weights)
 
 
-def configs_to_sweep(rows: int) -> list[GemvConfig]:
+SWEEP_SPACE = {"block_n": (4, 8, 16, 32), "block_k": (128, 256, 512, 1024), "warps": (2, 4, 8),
+               "stages": (1, 3), "reduce_each": (0,)}
+
+
+def configs_to_sweep(rows: int, space: dict[str, tuple[int, ...]] = SWEEP_SPACE) -> list[GemvConfig]:
     out = []
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024),
-                                                   (2, 4, 8), (1, 3)):
-        per_thread = triton.next_power_of_2(rows) * bn * bk // (32 * warps)  # fp32 accumulator
-        if 8 <= per_thread <= 128:
-            out.append(GemvConfig(bn, bk, warps, stages))
+    for bn, bk, warps, stages, each in itertools.product(
+            space["block_n"], space["block_k"], space["warps"], space["stages"],
+            space["reduce_each"]):
+        per_thread = bn * bk // (32 * warps)  # weight elements a thread loads per tile
+        if not each:  # and as many fp32 accumulators, times the rows
+            per_thread *= triton.next_power_of_2(rows)
+        if 8 <= per_thread <= (256 if each else 128):
+            out.append(GemvConfig(bn, bk, warps, stages, bool(each)))
     return out
 
 
-def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -> list[dict]:
+def _compile(configs: list[GemvConfig], ks: list[int]) -> int:
+    """Compile (into Triton's on-disk cache) the kernels of these configs at one row."""
+    for cfg in configs:
+        for k in ks:
+            gemv(torch.ones(1, k, device="cuda", dtype=torch.bfloat16),
+                 torch.ones(64, k, device="cuda", dtype=torch.bfloat16), config=cfg)
+    torch.cuda.synchronize()
+    return len(configs)
+
+
+def precompile(configs: list[GemvConfig], ks: list[int], workers: int) -> None:
+    """Fill Triton's cache from `workers` processes, so that a sweep does not compile its
+    configs one after another on the GPU machine's clock."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    chunks = [configs[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        sum(pool.map(_compile, chunks, [ks] * workers))
+
+
+def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int,
+            space: dict[str, tuple[int, ...]] = SWEEP_SPACE) -> list[dict]:
     nbytes = n * k * 2
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(max(2, -(-L2_FLUSH_BYTES // nbytes)))]
@@ -67,9 +95,9 @@ def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -
         cublas = time_per_call(lambda w: F.linear(x, w), weights)
         if sweep:
             if ranked is None:
-                candidates = configs_to_sweep(1)
+                candidates = configs_to_sweep(1, space)
             else:
-                fitting = configs_to_sweep(m)
+                fitting = configs_to_sweep(m, space)
                 candidates = [c for c in ranked[:top] if c in fitting] or [DEFAULT_CONFIG]
         else:  # the layers' choice; where that is cuBLAS, the default config for comparison
             candidates = [gemv_config(n, k, m) or DEFAULT_CONFIG]
@@ -86,12 +114,31 @@ def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int) -
         row = {"linear": name, "n": n, "k": k, "rows": m, "cublas_tbs": nbytes / cublas / 1e12,
                "gemv_tbs": nbytes / best_s / 1e12, "cublas_us": cublas * 1e6,
                "gemv_us": best_s * 1e6, "config": vars(best),
-               "layers_use": "gemv" if m <= GEMV_MAX_ROWS and gemv_config(n, k, m) else "cublas"}
+               "layers_use": "gemv" if m <= GEMV_MAX_ROWS and gemv_config(n, k, m) else "cublas",
+               "runners_up": [[round(nbytes / s / 1e12, 3), vars(c)] for s, c in timed[1:top]]}
         print(json.dumps(row), flush=True)
         results.append(row)
     del weights
     torch.cuda.empty_cache()
     return results
+
+
+def write_configs(path: Path, rows: list[dict], command: str) -> None:
+    """Merge each shape's fastest config at one row (where the GEMV beat cuBLAS) into the
+    table at path, with the bandwidths measured and the command that measured them."""
+    table = json.loads(path.read_text()) if path.exists() else {"sources": [], "configs": {}}
+    source = f"python bench/gemv.py {command} (on {torch.cuda.get_device_name()})"
+    if source not in table["sources"]:
+        table["sources"].append(source)
+    for r in rows:
+        if r["rows"] == 1 and r["gemv_tbs"] > r["cublas_tbs"]:
+            table["configs"][f"{r['n']}x{r['k']}"] = {
+                **r["config"], "tbs": round(r["gemv_tbs"], 3),
+                "cublas_tbs": round(r["cublas_tbs"], 3), "linear": r["linear"]}
+    shapes = sorted(table["configs"], key=lambda s: tuple(int(d) for d in s.split("x")))
+    lines = [f' "{s}": {json.dumps(table["configs"][s])}' for s in shapes]
+    path.write_text('{"sources": ' + json.dumps(table["sources"], indent=1) + ',\n"configs": {\n'
+                    + ",\n".join(lines) + "\n}}\n")
 
 
 def main() -> None:
@@ -102,21 +149,40 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--top", type=int, default=6, help="configs tried at M > 1 (--sweep)")
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--linears", default="qkv,o,gate_up,down,lm_head",
+                        help="which of a layer's linears to time")
+    parser.add_argument("--write-configs", metavar="PATH",
+                        help="--sweep: merge the best config per shape at one row into this "
+                             "table (model/kernels/gemv_configs.json is the layers')")
+    parser.add_argument("--precompile", type=int, default=0,
+                        help="--sweep: compile the configs first in this many processes")
+    for key, values in SWEEP_SPACE.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", default=",".join(map(str, values)),
+                            help=f"--sweep: the {key} values tried")
     args = parser.parse_args()
+    space = {key: tuple(int(v) for v in getattr(args, key).split(",")) for key in SWEEP_SPACE}
+    linears = set(args.linears.split(","))
+    if args.sweep and args.precompile:
+        ks = sorted({k for path in args.model_config for tp in args.tp.split(",")
+                     for n, k in linear_shapes(json.loads(Path(path).read_text()), int(tp)).values()})
+        precompile(configs_to_sweep(1, space), ks, args.precompile)
     rows = [int(r) for r in args.rows.split(",")]
     out = []
     for path in args.model_config:
         config = json.loads(Path(path).read_text())
         for tp in (int(t) for t in args.tp.split(",")):
             for name, (n, k) in linear_shapes(config, tp).items():
-                tag = f"{Path(path).stem} tp{tp} {name}"
-                out += measure(tag, n, k, rows, args.sweep, args.top)
+                if name in linears:
+                    tag = f"{Path(path).stem} tp{tp} {name}"
+                    out += measure(tag, n, k, rows, args.sweep, args.top, space)
     print(f"{'linear':32} {'M':>2} {'cuBLAS TB/s':>11} {'gemv TB/s':>9} {'layers use':>10}  config")
     for r in out:
         print(f"{r['linear']:32} {r['rows']:>2} {r['cublas_tbs']:11.2f} {r['gemv_tbs']:9.2f} "
               f"{r['layers_use']:>10}  {r['config']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.sweep and args.write_configs:
+        write_configs(Path(args.write_configs), out, " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def run_degree(tp: int, args, out_dir: Path) -> dict:
 
 def derive(row: dict) -> dict:
     step_s = row["batch1_decode_ms"] / 1e3
-    per_gpu_floor = row["weight_bytes_per_rank"] / PEAK_BYTES_PER_S
+    per_gpu_floor = row["batch1_read_bytes_per_rank"] / PEAK_BYTES_PER_S
     return {**row, "batch1_tokens_per_s": round(1 / step_s, 1),
             "per_gpu_bandwidth_efficiency": round(per_gpu_floor / step_s, 3)}
 

@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.decode_sweep import weight_bytes  # noqa: E402
 from bench.offline import config_dir, print_step_profile, workload  # noqa: E402
 from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
@@ -137,6 +138,10 @@ def main() -> None:
         "throughput_tokens_per_s": round(throughput(engine, device, args.num_seqs, args.max_len), 1),
         "kv_gib_per_rank": round(runner.num_blocks * runner.block_bytes() / 2**30, 2),
         "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in runner.model.parameters()),
+        # what one batch-1 step reads on a rank: weights (not the embedding table, of which
+        # a step reads one row) and the KV cache at the timed steps' mean context
+        "batch1_read_bytes_per_rank": weight_bytes(runner) + round(
+            (args.context + 4 + args.steps / 2) * runner.block_bytes() / runner.cfg.block_size),
     }
     Path(args.json).write_text(json.dumps(figures))
     stop_group(channel)

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from tests.interpreter import OLD_INTERPRETER, run_checks
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+GEMV_TABLE = Path(__file__).resolve().parent.parent / "model" / "kernels" / "gemv_configs.json"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -59,6 +62,9 @@ def _cpu_shapes():
         check_gemv(3, 50, 200, dtype, "cpu", bias=True, config=small, seed=i)  # ragged N and K
         check_gemv(8, 24, 64, dtype, "cpu", config=small, seed=i)           # MAX_ROWS
         check_gemv(5, 16, 100, dtype, "cpu", config=GemvConfig(4, 128, 2), seed=i)  # K < block
+        each = GemvConfig(block_n=4, block_k=64, num_warps=1, reduce_each=True)
+        check_gemv(1, 64, 256, dtype, "cpu", config=each, seed=i)  # tiles summed as they come
+        check_gemv(3, 50, 200, dtype, "cpu", bias=True, config=each, seed=i)
 
 
 def _cpu_refusals():
@@ -94,10 +100,21 @@ def test_linear_on_cpu_is_torch() -> None:
 
 
 @needs_triton
-def test_gemv_config_keeps_wide_weights_on_cublas() -> None:
-    from model.kernels.gemv import WIDE_ROWS, gemv_config
-    assert gemv_config(WIDE_ROWS, 4096, 1) is None and gemv_config(151936, 4096, 1) is None
-    assert gemv_config(WIDE_ROWS - 1, 4096, 1) is not None
+def test_gemv_config_measured_shapes_and_wide_weights() -> None:
+    """The reference models' shapes take their measured configs at one row (gate/up and the
+    8B LM heads included); other weights of WIDE_ROWS rows or more (qwen3-32b's LM head)
+    stay on cuBLAS."""
+    from model.kernels.gemv import (DEFAULT_CONFIG, MEASURED_CONFIGS, WIDE_ROWS, GemvConfig,
+                                    gemv_config, load_measured_configs)
+    assert MEASURED_CONFIGS == load_measured_configs() and len(MEASURED_CONFIGS) >= 20
+    for (n, k), config in MEASURED_CONFIGS.items():
+        assert isinstance(config, GemvConfig) and gemv_config(n, k, 1) is config
+        assert config.block_n & (config.block_n - 1) == 0 and config.block_k >= 64
+        assert gemv_config(n, k, 2) in (DEFAULT_CONFIG, None)  # the table is for one row
+    assert gemv_config(24576, 4096, 1) is not None  # qwen3-8b's gate/up
+    assert gemv_config(151936, 4096, 1) is not None  # qwen3-8b's LM head
+    assert gemv_config(WIDE_ROWS, 4000, 1) is None and gemv_config(151936, 5120, 1) is None
+    assert gemv_config(WIDE_ROWS - 1, 4000, 1) is DEFAULT_CONFIG
 
 
 @needs_triton
@@ -109,9 +126,13 @@ def test_pdl_is_off_for_cpu_tensors() -> None:
 
 # ---------------------------------------------------------------- CUDA
 
-# (N, K) of qwen3-8b's linears at TP 1 and 2, qwen3-0.6b's, and a small odd one
-MODEL_SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),
-                (3072, 4096), (4096, 2048), (4096, 6144), (4096, 1024), (1024, 2048), (200, 72)]
+# (N, K) of qwen3-8b's linears at TP 1 and 2, qwen3-0.6b's, an LM head, a small odd one, and
+# every shape of the measured table (its configs)
+TABLE_SHAPES = [tuple(int(d) for d in shape.split("x"))
+                for shape in json.loads(GEMV_TABLE.read_text())["configs"]]
+MODEL_SHAPES = sorted({(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),
+                       (3072, 4096), (4096, 2048), (4096, 6144), (4096, 1024), (1024, 2048),
+                       (200, 72), *TABLE_SHAPES})
 
 
 @pytest.mark.gpu
@@ -127,7 +148,7 @@ def test_gemv_model_shapes_cuda(n: int, k: int) -> None:
 @needs_cuda
 def test_linear_dispatch_and_graph_cuda() -> None:
     """One row of a 16-bit model takes the GEMV (it differs from cuBLAS in summation order
-    only); two rows, fp32 and wide weights take cuBLAS exactly; a captured GEMV replays with
+    only); two rows, fp32 and wide weights of shapes not measured take cuBLAS exactly; a captured GEMV replays with
     new inputs. Run without TAPSERVE_GEMV_MAX_ROWS: it pins the default (one row)."""
     from model.kernels.gemv import WIDE_ROWS
     from model.layers import GEMV_MAX_ROWS, linear
@@ -137,7 +158,7 @@ def test_linear_dispatch_and_graph_cuda() -> None:
     assert torch.equal(linear(two, w), F.linear(two, w))
     w32, x32 = w.float(), two[:1].float()
     assert torch.equal(linear(x32, w32), F.linear(x32, w32))
-    wide = torch.randn(WIDE_ROWS, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    wide = torch.randn(WIDE_ROWS + 16, 4096, device="cuda", dtype=torch.bfloat16) / 64  # not in the table
     assert torch.equal(linear(two[:1], wide), F.linear(two[:1], wide))
     assert not torch.equal(linear(two[:1], w), F.linear(two[:1], w))  # the kernel ran
     x = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -151,3 +172,4 @@ def test_linear_dispatch_and_graph_cuda() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float(), F.linear(two[:1].float(), w.float()),
                                rtol=1.6e-2, atol=3e-2)
+

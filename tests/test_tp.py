@@ -253,3 +253,13 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
     assert "| GPU ms |" in out.with_suffix(".md").read_text()
     assert rows[1]["kv_gib_per_rank"] <= rows[0]["kv_gib_per_rank"]
     assert out.with_suffix(".png").stat().st_size > 1000
+    # efficiency over the bytes a step reads: the weights (the embedding table counts: it is
+    # tied to the LM head here) plus each rank's KV heads at the timed steps' mean context
+    c = json.loads(cfg.read_text())
+    assert c["tie_word_embeddings"]
+    for r in rows:
+        kv_heads = c["num_key_value_heads"] // r["tp"]
+        per_token = 2 * c["num_hidden_layers"] * kv_heads * c["head_dim"] * 4  # float32
+        assert r["batch1_read_bytes_per_rank"] - r["weight_bytes_per_rank"] == (32 + 4 + 2) * per_token
+        assert r["per_gpu_bandwidth_efficiency"] == round(
+            r["batch1_read_bytes_per_rank"] / 4.3e12 / (r["batch1_decode_ms"] / 1e3), 3)

@@ -6,13 +6,16 @@ M multiply-adds. cuBLAS picks GEMM tiles for these shapes that left the 4096-wid
 (q/k/v, o, down) at ~72 % of the H200's bandwidth (docs/benchmarks.md). Here each program
 owns BLOCK_N rows of W and walks K in BLOCK_K steps, keeping a [BLOCK_M, BLOCK_N, BLOCK_K]
 fp32 accumulator in registers and reducing over K once at the end, so the loop is loads and
-FMAs only. W is loaded with evict_first (it is used once per step); x is small and cached.
-One fixed launch config, from measurements (no autotuning at start-up). The grid depends
-only on N: CUDA-graph capturable.
+FMAs only (or, with reduce_each, sums each tile at once). W is loaded with evict_first (it is
+used once per step); x is small and cached. Launch configs are fixed, measured per weight
+shape (gemv_configs.json; no autotuning at start-up). The grid depends only on N:
+CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -29,10 +32,26 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int = 1
+    reduce_each: bool = False  # sum each tile over K at once: a [M, BLOCK_N] accumulator
 
 
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
-WIDE_ROWS = 12288  # weights with at least this many rows stay on cuBLAS (gemv_config)
+WIDE_ROWS = 12288  # weights of other shapes with at least this many rows stay on cuBLAS
+MEASURED_CONFIGS_PATH = Path(__file__).with_name("gemv_configs.json")
+
+
+def load_measured_configs(path: Path = MEASURED_CONFIGS_PATH) -> dict[tuple[int, int], GemvConfig]:
+    """The fastest config per weight shape (N, K) at one row, as `bench/gemv.py --sweep
+    --write-configs` measured them (see the file's "source")."""
+    if not path.exists():
+        return {}
+    table = json.loads(path.read_text())["configs"]
+    fields = set(GemvConfig.__dataclass_fields__)
+    return {tuple(int(d) for d in shape.split("x")): GemvConfig(**{f: v for f, v in c.items() if f in fields})
+            for shape, c in table.items()}
+
+
+MEASURED_CONFIGS = load_measured_configs()  # read once at import: a constant
 
 
 @triton.jit
@@ -45,9 +64,17 @@ def _load_tile(ptrs, k, K, row_ok, cols, EVEN_K: tl.constexpr, STREAM: tl.conste
 
 
 @triton.jit
+def _products(w, x, REDUCE_EACH: tl.constexpr):
+    """[M, BLOCK_N, BLOCK_K] fp32 products of one tile, or (REDUCE_EACH) their sums over K."""
+    products = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    return tl.sum(products, axis=2) if REDUCE_EACH else products
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
+                 PDL: tl.constexpr):
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -63,12 +90,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
     if PDL:
         gdc_wait()
     x = _load_tile(x_ptrs, 0, K, m_ok, cols, EVEN_K, False)
-    acc = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    acc = _products(w, x, REDUCE_EACH)
     for k in range(BLOCK_K, K, BLOCK_K):
         w = _load_tile(w_ptrs, k, K, n_ok, cols, EVEN_K, True)
         x = _load_tile(x_ptrs, k, K, m_ok, cols, EVEN_K, False)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-    y = tl.sum(acc, axis=2)
+        acc += _products(w, x, REDUCE_EACH)
+    y = acc if REDUCE_EACH else tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows_m[:, None] * stride_y + rows_n[None, :]
@@ -98,15 +125,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
             y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            REDUCE_EACH=config.reduce_each,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
     return y.view(*x.shape[:-1], n)
 
 
 def gemv_config(n: int, k: int, rows: int) -> GemvConfig | None:
-    """The launch config for a weight [n, k] at `rows` rows, or None for cuBLAS. From
-    `bench/gemv.py --sweep` on the H200 (docs/benchmarks.md): one config serves the narrower
-    weights (q/k/v, o, down; faster than cuBLAS on 16 of 18 model/TP pairs, within 3 % on the
-    other two); weights of WIDE_ROWS rows or more (gate/up, the LM head) stay on cuBLAS, which
-    streams them at 3.8-4.4 TB/s: on gate/up it beat the GEMV on four of five pairs, on the LM
-    head the GEMV was at most 4 % faster."""
+    """The launch config for a weight [n, k] at `rows` rows, or None for cuBLAS.
+
+    At one row, the shapes of the reference models (gemv_configs.json: q/k/v, o, gate/up and
+    down of qwen3-0.6b/8b/32b and llama-3.1-8b at TP 1 and 2, and the 8B models' LM heads)
+    take the config measured fastest for them on the H200; the GEMV beat cuBLAS on every one
+    (docs/benchmarks.md). The best config moves with the shape, because how many programs
+    share an SM decides how many bytes each SM keeps in flight. Other shapes: DEFAULT_CONFIG,
+    except that weights of WIDE_ROWS rows or more stay on cuBLAS, which streams those at
+    3.8-4.4 TB/s."""
+    if rows == 1 and (n, k) in MEASURED_CONFIGS:
+        return MEASURED_CONFIGS[(n, k)]
     return None if n >= WIDE_ROWS else DEFAULT_CONFIG
