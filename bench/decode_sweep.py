@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,10 +22,13 @@ from coordinator.config import EngineConfig  # noqa: E402
 from coordinator.offline import LLM  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
 
+if TYPE_CHECKING:
+    from ranks.runner import ModelRunner
+
 PEAK_BYTES_PER_S = 4.3e12
 
 
-def weight_bytes(runner) -> int:
+def weight_bytes(runner: ModelRunner) -> int:
     """Weight bytes a decode step reads on this rank: every parameter once (the embedding only
     for the batch rows, negligible, so it is left out unless tied to the LM head)."""
     total = 0

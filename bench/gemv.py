@@ -15,7 +15,9 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
-from model.kernels.gemv import DEFAULT_CONFIG, GemvConfig, gemv, gemv_config  # noqa: E402
+from model.kernels.gemv import (DEFAULT_CONFIG, GemvConfig, gemv, gemv_config,  # noqa: E402
+                                parse_shape)
 from model.layers import GEMV_MAX_ROWS  # noqa: E402
 
 L2_FLUSH_BYTES = 512 << 20
@@ -46,18 +49,21 @@ def time_per_call(op, weights: list[torch.Tensor], replays: int = 20) -> float:
                               warm_replays=3) / len(weights)
 
 
-SWEEP_SPACE = {"block_n": (4, 8, 16, 32), "block_k": (128, 256, 512, 1024), "warps": (2, 4, 8),
-               "stages": (1, 3), "reduce_each": (0,)}
+Space = Mapping[str, tuple[int, ...]]
+SWEEP_SPACE: Space = MappingProxyType({
+    "block_n": (4, 8, 16, 32), "block_k": (128, 256, 512, 1024), "warps": (2, 4, 8),
+    "stages": (1, 3), "reduce_each": (0,)})
 
 
-def configs_to_sweep(rows: int, space: dict[str, tuple[int, ...]] = SWEEP_SPACE) -> list[GemvConfig]:
+def configs_to_sweep(rows: int, space: Space = SWEEP_SPACE) -> list[GemvConfig]:
+    """The configs of the space whose per-thread tile fits the registers at `rows` rows: a
+    thread's products per tile (rows x its weight elements) between 8 and 128, or 256 with
+    reduce_each, whose products are summed at once instead of kept as accumulators."""
     out = []
     for bn, bk, warps, stages, each in itertools.product(
             space["block_n"], space["block_k"], space["warps"], space["stages"],
             space["reduce_each"]):
-        per_thread = bn * bk // (32 * warps)  # weight elements a thread loads per tile
-        if not each:  # and as many fp32 accumulators, times the rows
-            per_thread *= triton.next_power_of_2(rows)
+        per_thread = triton.next_power_of_2(rows) * bn * bk // (32 * warps)
         if 8 <= per_thread <= (256 if each else 128):
             out.append(GemvConfig(bn, bk, warps, stages, bool(each)))
     return out
@@ -80,11 +86,11 @@ def precompile(configs: list[GemvConfig], ks: list[int], workers: int) -> None:
     from concurrent.futures import ProcessPoolExecutor
     chunks = [configs[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        sum(pool.map(_compile, chunks, [ks] * workers))
+        list(pool.map(_compile, chunks, [ks] * workers))
 
 
 def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int,
-            space: dict[str, tuple[int, ...]] = SWEEP_SPACE) -> list[dict]:
+            space: Space = SWEEP_SPACE) -> list[dict]:
     nbytes = n * k * 2
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                for _ in range(max(2, -(-L2_FLUSH_BYTES // nbytes)))]
@@ -124,19 +130,24 @@ def measure(name: str, n: int, k: int, rows: list[int], sweep: bool, top: int,
 
 
 def write_configs(path: Path, rows: list[dict], command: str) -> None:
-    """Merge each shape's fastest config at one row (where the GEMV beat cuBLAS) into the
-    table at path, with the bandwidths measured and the command that measured them."""
+    """Merge each shape's fastest kernel at one row into the table at path: the best config's
+    fields, or {"cublas": true} where cuBLAS beat it; with the bandwidths measured and the
+    command that measured them. Linears of one shape (two models' o) keep the faster row."""
     table = json.loads(path.read_text()) if path.exists() else {"sources": [], "configs": {}}
     source = f"python bench/gemv.py {command} (on {torch.cuda.get_device_name()})"
     if source not in table["sources"]:
         table["sources"].append(source)
+    best: dict[str, dict] = {}
     for r in rows:
-        if r["rows"] == 1 and r["gemv_tbs"] > r["cublas_tbs"]:
-            table["configs"][f"{r['n']}x{r['k']}"] = {
-                **r["config"], "tbs": round(r["gemv_tbs"], 3),
-                "cublas_tbs": round(r["cublas_tbs"], 3), "linear": r["linear"]}
-    shapes = sorted(table["configs"], key=lambda s: tuple(int(d) for d in s.split("x")))
-    lines = [f' "{s}": {json.dumps(table["configs"][s])}' for s in shapes]
+        shape = f"{r['n']}x{r['k']}"
+        if r["rows"] == 1 and (shape not in best or r["gemv_tbs"] > best[shape]["gemv_tbs"]):
+            best[shape] = r
+    for shape, r in best.items():
+        kernel = r["config"] if r["gemv_tbs"] > r["cublas_tbs"] else {"cublas": True}
+        table["configs"][shape] = {**kernel, "tbs": round(r["gemv_tbs"], 3),
+                                   "cublas_tbs": round(r["cublas_tbs"], 3), "linear": r["linear"]}
+    lines = [f' "{shape}": {json.dumps(table["configs"][shape])}'
+             for shape in sorted(table["configs"], key=parse_shape)]
     path.write_text('{"sources": ' + json.dumps(table["sources"], indent=1) + ',\n"configs": {\n'
                     + ",\n".join(lines) + "\n}}\n")
 
@@ -163,8 +174,9 @@ def main() -> None:
     space = {key: tuple(int(v) for v in getattr(args, key).split(",")) for key in SWEEP_SPACE}
     linears = set(args.linears.split(","))
     if args.sweep and args.precompile:
-        ks = sorted({k for path in args.model_config for tp in args.tp.split(",")
-                     for n, k in linear_shapes(json.loads(Path(path).read_text()), int(tp)).values()})
+        configs = [json.loads(Path(path).read_text()) for path in args.model_config]
+        ks = sorted({k for config in configs for tp in args.tp.split(",")
+                     for n, k in linear_shapes(config, int(tp)).values()})
         precompile(configs_to_sweep(1, space), ks, args.precompile)
     rows = [int(r) for r in args.rows.split(",")]
     out = []

@@ -31,11 +31,16 @@ def drain(engine) -> None:
         engine.step()
 
 
-def batch1_decode_ms(engine, device, context: int, steps: int, profile_steps: int = 0) -> float:
+def batch1_decode(engine, device, context: int, steps: int,
+                  profile_steps: int = 0) -> tuple[float, float]:
+    """(ms a batch-1 decode step takes through the engine, the sequence's mean context over
+    the timed steps, counted as bench/decode_sweep.py counts it)."""
     engine.add_request("b1", [i % 1000 + 1 for i in range(context)],
                        SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True))
     for _ in range(4):
         engine.step()
+    (sequence,) = engine.scheduler.running
+    mean_context = len(sequence.token_ids) + steps / 2
     sync(device)
     start = time.perf_counter()
     for _ in range(steps):
@@ -45,7 +50,7 @@ def batch1_decode_ms(engine, device, context: int, steps: int, profile_steps: in
     if profile_steps:
         print_step_profile(engine, profile_steps)
     drain(engine)
-    return elapsed * 1e3
+    return elapsed * 1e3, mean_context
 
 
 def batch1_plan(runner, context: int) -> StepPlan:
@@ -125,11 +130,13 @@ def main() -> None:
     runner = engine.runner
     device = runner.device
     ttft_ms(engine, device, 16)  # warm-up
+    step_ms, mean_context = batch1_decode(engine, device, args.context, args.steps,
+                                          args.profile_steps)
+    kv_bytes_per_token = runner.block_bytes() // runner.cfg.block_size
     figures = {
         "tp": ctx.world_size,
         "all_reduce": "nccl" if runner.tp.one_shot is None else runner.tp.one_shot.mode,
-        "batch1_decode_ms": round(batch1_decode_ms(engine, device, args.context, args.steps,
-                                                            args.profile_steps), 3),
+        "batch1_decode_ms": round(step_ms, 3),
         # the batch-1 step without the coordinator's host work (plan_replay_ms)
         "batch1_plan_and_wait_ms": round(plan_replay_ms(engine, device, args.context, args.steps, True), 3),
         "batch1_gpu_ms": round(plan_replay_ms(engine, device, args.context, args.steps, False), 3),
@@ -140,8 +147,8 @@ def main() -> None:
         "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in runner.model.parameters()),
         # what one batch-1 step reads on a rank: weights (not the embedding table, of which
         # a step reads one row) and the KV cache at the timed steps' mean context
-        "batch1_read_bytes_per_rank": weight_bytes(runner) + round(
-            (args.context + 4 + args.steps / 2) * runner.block_bytes() / runner.cfg.block_size),
+        "batch1_mean_context": mean_context,
+        "batch1_read_bytes_per_rank": weight_bytes(runner) + round(mean_context * kv_bytes_per_token),
     }
     Path(args.json).write_text(json.dumps(figures))
     stop_group(channel)

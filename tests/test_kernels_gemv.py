@@ -101,20 +101,42 @@ def test_linear_on_cpu_is_torch() -> None:
 
 @needs_triton
 def test_gemv_config_measured_shapes_and_wide_weights() -> None:
-    """The reference models' shapes take their measured configs at one row (gate/up and the
-    8B LM heads included); other weights of WIDE_ROWS rows or more (qwen3-32b's LM head)
-    stay on cuBLAS."""
-    from model.kernels.gemv import (DEFAULT_CONFIG, MEASURED_CONFIGS, WIDE_ROWS, GemvConfig,
-                                    gemv_config, load_measured_configs)
-    assert MEASURED_CONFIGS == load_measured_configs() and len(MEASURED_CONFIGS) >= 20
-    for (n, k), config in MEASURED_CONFIGS.items():
-        assert isinstance(config, GemvConfig) and gemv_config(n, k, 1) is config
-        assert config.block_n & (config.block_n - 1) == 0 and config.block_k >= 64
-        assert gemv_config(n, k, 2) in (DEFAULT_CONFIG, None)  # the table is for one row
-    assert gemv_config(24576, 4096, 1) is not None  # qwen3-8b's gate/up
-    assert gemv_config(151936, 4096, 1) is not None  # qwen3-8b's LM head
+    """Every linear of the reference models at TP 1 and 2 (bench/gemv.py's shapes of each
+    config.json) and the 8B models' LM heads take a measured config at one row; more rows
+    never do. Other weights of WIDE_ROWS rows or more (qwen3-32b's LM head) stay on cuBLAS."""
+    from bench.gemv import linear_shapes
+    from model.kernels.gemv import DEFAULT_CONFIG, MEASURED_CONFIGS, WIDE_ROWS, gemv_config
+    configs = Path(__file__).resolve().parent.parent / "bench" / "configs"
+    for model in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3.1-8b"):
+        config = json.loads((configs / f"{model}.json").read_text())
+        for tp in (1, 2):
+            for name, (n, k) in linear_shapes(config, tp).items():
+                if name != "lm_head" or "8b" in model:
+                    assert MEASURED_CONFIGS[(n, k)] is not None, (model, tp, name)
+                    assert gemv_config(n, k, 1) is MEASURED_CONFIGS[(n, k)]
+                    assert gemv_config(n, k, 2) in (DEFAULT_CONFIG, None)
     assert gemv_config(WIDE_ROWS, 4000, 1) is None and gemv_config(151936, 5120, 1) is None
     assert gemv_config(WIDE_ROWS - 1, 4000, 1) is DEFAULT_CONFIG
+
+
+@needs_triton
+def test_measured_config_table_is_read_strictly(tmp_path) -> None:
+    """The table's entries: a config's fields, or {"cublas": true} (cuBLAS won: None), each
+    with its measured notes; an unknown field is an error, not a silent fallback."""
+    from model.kernels.gemv import GemvConfig, load_measured_configs
+    notes = {"tbs": 4.0, "cublas_tbs": 3.0, "linear": "x"}
+    table = {"sources": [], "configs": {
+        "64x128": {"block_n": 2, "block_k": 512, "num_warps": 1, "num_stages": 1,
+                   "reduce_each": True, **notes},
+        "128x64": {"cublas": True, **notes}}}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    assert dict(load_measured_configs(path)) == {(64, 128): GemvConfig(2, 512, 1, 1, True),
+                                                 (128, 64): None}
+    table["configs"]["64x128"]["reduce_eac"] = True
+    path.write_text(json.dumps(table))
+    with pytest.raises(TypeError):
+        load_measured_configs(path)
 
 
 @needs_triton
@@ -128,7 +150,7 @@ def test_pdl_is_off_for_cpu_tensors() -> None:
 
 # (N, K) of qwen3-8b's linears at TP 1 and 2, qwen3-0.6b's, an LM head, a small odd one, and
 # every shape of the measured table (its configs)
-TABLE_SHAPES = [tuple(int(d) for d in shape.split("x"))
+TABLE_SHAPES = [tuple(map(int, shape.split("x")))
                 for shape in json.loads(GEMV_TABLE.read_text())["configs"]]
 MODEL_SHAPES = sorted({(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096),
                        (3072, 4096), (4096, 2048), (4096, 6144), (4096, 1024), (1024, 2048),
@@ -141,14 +163,16 @@ MODEL_SHAPES = sorted({(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
 def test_gemv_model_shapes_cuda(n: int, k: int) -> None:
     for rows in (1, 2, 3, 4, 8):
         check_gemv(rows, n, k, torch.bfloat16, "cuda", bias=rows == 3, seed=rows)
-    check_gemv(2, n, k, torch.float16, "cuda")
+    for rows in (1, 2):  # one row: the table's config, measured in bf16
+        check_gemv(rows, n, k, torch.float16, "cuda")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_linear_dispatch_and_graph_cuda() -> None:
     """One row of a 16-bit model takes the GEMV (it differs from cuBLAS in summation order
-    only); two rows, fp32 and wide weights of shapes not measured take cuBLAS exactly; a captured GEMV replays with
+    only); two rows, fp32 and wide weights of shapes not measured take cuBLAS exactly; a
+    captured GEMV replays with
     new inputs. Run without TAPSERVE_GEMV_MAX_ROWS: it pins the default (one row)."""
     from model.kernels.gemv import WIDE_ROWS
     from model.layers import GEMV_MAX_ROWS, linear
@@ -158,7 +182,8 @@ def test_linear_dispatch_and_graph_cuda() -> None:
     assert torch.equal(linear(two, w), F.linear(two, w))
     w32, x32 = w.float(), two[:1].float()
     assert torch.equal(linear(x32, w32), F.linear(x32, w32))
-    wide = torch.randn(WIDE_ROWS + 16, 4096, device="cuda", dtype=torch.bfloat16) / 64  # not in the table
+    # wide and not in the measured table
+    wide = torch.randn(WIDE_ROWS + 16, 4096, device="cuda", dtype=torch.bfloat16) / 64
     assert torch.equal(linear(two[:1], wide), F.linear(two[:1], wide))
     assert not torch.equal(linear(two[:1], w), F.linear(two[:1], w))  # the kernel ran
     x = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -172,4 +197,3 @@ def test_linear_dispatch_and_graph_cuda() -> None:
     torch.cuda.synchronize()
     torch.testing.assert_close(y.float(), F.linear(two[:1].float(), w.float()),
                                rtol=1.6e-2, atol=3e-2)
-

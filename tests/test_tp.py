@@ -210,13 +210,17 @@ def test_tp2_running_ahead_under_preemption_and_prefix_caching(tmp_path):
         assert ahead[str(i)]["cached"] == sync[str(i)]["cached"], f"request {i} cache hits"
 
 
-def _tiny_config(tmp_path: Path) -> Path:
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({
+def _tiny_config_text() -> str:
+    return json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "vocab_size": 512, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
-        "tie_word_embeddings": True, "eos_token_id": 2, "torch_dtype": "float32"}))
+        "tie_word_embeddings": True, "eos_token_id": 2, "torch_dtype": "float32"})
+
+
+def _tiny_config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(_tiny_config_text())
     return cfg
 
 
@@ -255,11 +259,35 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
     # efficiency over the bytes a step reads: the weights (the embedding table counts: it is
     # tied to the LM head here) plus each rank's KV heads at the timed steps' mean context
+    # (the 32-token prompt, 4 tokens of warm-up steps, half of the 4 timed steps)
     c = json.loads(cfg.read_text())
     assert c["tie_word_embeddings"]
     for r in rows:
+        assert r["batch1_mean_context"] == 32 + 4 + 4 / 2
         kv_heads = c["num_key_value_heads"] // r["tp"]
         per_token = 2 * c["num_hidden_layers"] * kv_heads * c["head_dim"] * 4  # float32
-        assert r["batch1_read_bytes_per_rank"] - r["weight_bytes_per_rank"] == (32 + 4 + 2) * per_token
+        kv_read = r["batch1_read_bytes_per_rank"] - r["weight_bytes_per_rank"]
+        assert kv_read == r["batch1_mean_context"] * per_token
         assert r["per_gpu_bandwidth_efficiency"] == round(
             r["batch1_read_bytes_per_rank"] / 4.3e12 / (r["batch1_decode_ms"] / 1e3), 3)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bench_weight_bytes_leave_out_an_untied_embedding(tied):
+    """The weight bytes a decode step reads (bench/decode_sweep.weight_bytes, which tp_sweep's
+    efficiency uses): every parameter once, but not an embedding table of its own, of which
+    a step reads one row per sequence."""
+    from types import SimpleNamespace
+
+    from bench.decode_sweep import weight_bytes
+    from model.config import ModelConfig
+    from model.decoder import CausalLM
+    from model.layers import TPGroup
+    raw = {**json.loads(_tiny_config_text()), "tie_word_embeddings": tied}
+    cfg = ModelConfig.from_dict(raw)
+    model = CausalLM(cfg, TPGroup())
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    expected = every if tied else every - embed.numel() * embed.element_size()
+    assert weight_bytes(SimpleNamespace(model=model, model_cfg=cfg)) == expected
+    assert (model.lm_head.weight is embed) == tied

@@ -14,8 +14,10 @@ CUDA-graph capturable.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import triton
@@ -38,20 +40,28 @@ class GemvConfig:
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=512, num_warps=2, num_stages=3)
 WIDE_ROWS = 12288  # weights of other shapes with at least this many rows stay on cuBLAS
 MEASURED_CONFIGS_PATH = Path(__file__).with_name("gemv_configs.json")
+_TABLE_NOTES = {"tbs", "cublas_tbs", "linear"}  # what an entry records besides its config
 
 
-def load_measured_configs(path: Path = MEASURED_CONFIGS_PATH) -> dict[tuple[int, int], GemvConfig]:
-    """The fastest config per weight shape (N, K) at one row, as `bench/gemv.py --sweep
-    --write-configs` measured them (see the file's "source")."""
-    if not path.exists():
-        return {}
-    table = json.loads(path.read_text())["configs"]
-    fields = set(GemvConfig.__dataclass_fields__)
-    return {tuple(int(d) for d in shape.split("x")): GemvConfig(**{f: v for f, v in c.items() if f in fields})
-            for shape, c in table.items()}
+def parse_shape(shape: str) -> tuple[int, int]:
+    """A table key "NxK" as (N, K)."""
+    n, k = shape.split("x")
+    return int(n), int(k)
 
 
-MEASURED_CONFIGS = load_measured_configs()  # read once at import: a constant
+def load_measured_configs(path: Path = MEASURED_CONFIGS_PATH
+                          ) -> Mapping[tuple[int, int], GemvConfig | None]:
+    """The fastest kernel per weight shape (N, K) at one row, as `bench/gemv.py --sweep
+    --write-configs` measured them (the file's "sources"): a GemvConfig, or None where
+    cuBLAS was faster. An entry with a key it does not know is an error, not a fallback."""
+    table: dict[tuple[int, int], GemvConfig | None] = {}
+    for shape, entry in json.loads(path.read_text())["configs"].items():
+        fields = {key: value for key, value in entry.items() if key not in _TABLE_NOTES}
+        table[parse_shape(shape)] = None if fields == {"cublas": True} else GemvConfig(**fields)
+    return MappingProxyType(table)
+
+
+MEASURED_CONFIGS = load_measured_configs()  # read once at import; read-only
 
 
 @triton.jit
@@ -139,7 +149,7 @@ def gemv_config(n: int, k: int, rows: int) -> GemvConfig | None:
     (docs/benchmarks.md). The best config moves with the shape, because how many programs
     share an SM decides how many bytes each SM keeps in flight. Other shapes: DEFAULT_CONFIG,
     except that weights of WIDE_ROWS rows or more stay on cuBLAS, which streams those at
-    3.8-4.4 TB/s."""
+    3.8-4.4 TB/s. A measured shape on which cuBLAS won maps to None (none does on the H200)."""
     if rows == 1 and (n, k) in MEASURED_CONFIGS:
         return MEASURED_CONFIGS[(n, k)]
     return None if n >= WIDE_ROWS else DEFAULT_CONFIG
