@@ -147,8 +147,12 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
             log_requests=args.log_requests)
+        # a session of its own: torchrun stops a worker with killpg, and the API process must
+        # not take that SIGTERM itself (uvicorn would close its socket and cut the streams
+        # that the drain lets finish); rank 0 stops it, and it exits with rank 0
         loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],
-                                            cwd=os.path.dirname(os.path.abspath(__file__)))
+                                            cwd=os.path.dirname(os.path.abspath(__file__)),
+                                            start_new_session=True)
         logging.getLogger("tapserve").info("serving on http://%s:%d", args.host, args.port)
         return loop.run()
     finally:

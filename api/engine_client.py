@@ -228,3 +228,5 @@ class EngineClient:
         elif isinstance(message, wire.Shutdown):
             log.info("engine shutting down: %s", message.reason)
             self.shutting_down = True
+            if message.stopped:  # after a drain nothing waits; after a failure, answer now
+                self.fail_all(EngineError(ENGINE_DOWN, f"the engine stopped ({message.reason})"))

@@ -157,7 +157,14 @@ class Generation:
         choice = self._choice(state, seq.index)
         if choice.finish_reason is not None:
             return None
-        used = choice.detok.add_tokens(seq.new_token_ids)
+        ids, p = seq.new_token_ids, state.params
+        # a stop token id ends the text before its own text, unless include_stop_str_in_output
+        # (as vLLM); the token still counts (usage, logprobs)
+        hidden = int(seq.finish_reason == "stop" and bool(ids) and ids[-1] in p.stop_token_ids
+                     and not p.include_stop_str_in_output)
+        used = choice.detok.add_tokens(ids[:len(ids) - hidden])
+        if hidden and not choice.detok.stopped:
+            used += 1
         delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
         if seq.new_logprobs:
             delta.logprobs = seq.new_logprobs[:used]

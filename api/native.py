@@ -126,7 +126,7 @@ def _messages_text(state: AppState, messages: list[ChatMessage], add_generation_
                    kwargs: dict | None) -> str:
     try:
         return state.tokenizer.apply_chat_template([m.template_dict() for m in messages],
-                                                   add_generation_prompt, **(kwargs or {}))
+                                                   add_generation_prompt, kwargs)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
 

@@ -3,8 +3,9 @@
 Choices: prompt p's sample i is choice `p * n + i`. Every choice carries its own
 `extra_outputs.custom_output` once the value exists; the object carries a top-level
 `extra_outputs.custom_output`, the value of its last choice (DESIGN.md). Streams interleave
-the choices' chunks, end with the usage chunk when `stream_options.include_usage`, then
-`data: [DONE]`. Errors known before the first token are plain HTTP answers.
+the choices' chunks (each with the usage so far when `stream_options` has both
+`include_usage` and `continuous_usage_stats`, as vLLM), end with the usage chunk when
+`stream_options.include_usage`, then `data: [DONE]`. Errors known before the first token are plain HTTP answers.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def _completion_logprobs(state: AppState, token_ids: list[int], logprobs: list[f
 def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
                    tops: list[list[list]], num_top: int) -> dict:
     def item(t: int, lp: float) -> dict:
-        s = state.tokenizer.token_str(t)
-        return {"token": s, "logprob": finite_logprob(lp), "bytes": list(s.encode("utf-8"))}
+        return {"token": state.tokenizer.token_str(t), "logprob": finite_logprob(lp),
+                "bytes": list(state.tokenizer.token_bytes(t))}
     content = [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top[:num_top]]}
                for t, lp, top in zip(token_ids, logprobs, tops)]
     return {"content": content, "refusal": None}
@@ -149,7 +150,8 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
             value = generation.choice_value(d.index, body.custom_output_encoding)
             choice = shape.chunk_choice(d, value)
             if choice is not None:
-                events.append(sse({**head, "choices": [choice], **_extra(value)}))
+                usage = {"usage": generation.usage()} if body.continuous_usage else {}
+                events.append(sse({**head, "choices": [choice], **_extra(value), **usage}))
         if events:
             yield "".join(events)  # one write for the choices of one output
     if body.include_usage:
@@ -163,7 +165,7 @@ def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
     kwargs = dict(body.chat_template_kwargs or {})
     add_gen = body.add_generation_prompt and not body.continue_final_message
     try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, **kwargs)
+        text = state.tokenizer.apply_chat_template(messages, add_gen, kwargs)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
     if body.continue_final_message:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import invalid
 
@@ -74,6 +74,11 @@ class _SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's continuous_usage_stats, with include_usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -122,7 +127,13 @@ class ChatMessage(_Strict):
                 if part.get("type") != "text":
                     raise invalid(f"unsupported content part type {part.get('type')!r} "
                                   "(text only)", "messages")
-                texts.append(TextPart(**part).text)
+                try:
+                    texts.append(TextPart(**part).text)
+                except ValidationError as e:
+                    problem = e.errors()[0]
+                    where = ".".join(str(p) for p in problem.get("loc", ()))
+                    raise invalid(f"invalid text content part: {where}: {problem.get('msg')}",
+                                  "messages") from None
             content = "".join(texts)
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:

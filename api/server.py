@@ -28,7 +28,7 @@ from api.config import ApiConfig
 from api.engine_client import ENGINE_DOWN, EngineClient, EngineError
 from api.errors import ApiError, error_body, install_handlers
 from api.metrics import CONTENT_TYPE, ApiMetrics
-from api.state import AppState
+from api.state import AppState, ClientGone
 from api.tokenizer import TextTokenizer
 
 __all__ = ["ApiConfig", "create_app", "main"]
@@ -164,6 +164,13 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any
     app = FastAPI(title="tapserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     install_handlers(app)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        # the client left before its answer (its requests are aborted): nothing to send, and
+        # nginx's 499 "client closed request" in the request metrics rather than a 500
+        return Response(status_code=499)
+
     app.include_router(openai.build_router())
     app.include_router(native.build_router())
 

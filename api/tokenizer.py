@@ -18,7 +18,26 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
+
+
+# what the server passes to every chat template: chat_template_kwargs may not replace them
+_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token",
+                                        "eos_token", "self"})
+
+
+def _char_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: byte-level BPE writes byte b as this char."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars = {b: b for b in printable}
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + len(chars) - len(printable)
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _char_to_byte()  # a constant table
 
 
 class ChatTemplateError(ValueError):
@@ -71,6 +90,8 @@ class TextTokenizer:
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = None
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
+        self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._added_ids = set(tokenizer.get_added_tokens_decoder())
 
     @classmethod
     def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> "TextTokenizer":
@@ -97,17 +118,36 @@ class TextTokenizer:
         """One token's text, special tokens included (for logprobs and /tokenize)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprobs `bytes`), which may be part of a
+        character: in a byte-level BPE vocabulary each character of an entry stands for one
+        byte (GPT-2's byte-to-unicode map); added tokens, and other vocabularies, give the
+        UTF-8 of the token's text."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if self._byte_level and piece is not None and token_id not in self._added_ids:
+            try:
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:  # not a byte-level entry after all
+                pass
+        return self.token_str(token_id).encode("utf-8")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render the chat template; raises ChatTemplateError for a missing or failing one."""
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """Render the chat template with the client's extra variables (template_kwargs);
+        raises ChatTemplateError for a missing or failing template, or for variables that
+        would replace the ones the server sets."""
         if not self.chat_template:
             raise ChatTemplateError("the model has no chat template; start the server with "
                                     "--chat-template FILE")
+        template_kwargs = template_kwargs or {}
+        taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_VARIABLES)
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
             if self._template is None:
                 self._template = self._env.from_string(self.chat_template)
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   **kwargs)
-        except TemplateError as e:
+                                   **template_kwargs)
+        except (TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None

@@ -108,8 +108,11 @@ class EngineStats:
 
 @dataclass
 class Shutdown:
-    """Coordinator -> API: the engine is stopping; answer new requests 503."""
+    """Coordinator -> API: the engine is stopping; answer new requests 503. `stopped`: it
+    has stopped, so a request still waiting for outputs gets none (a failure exit) and is
+    answered with an error at once."""
     reason: str = ""
+    stopped: bool = False
     TYPE = "shutdown"
 
 

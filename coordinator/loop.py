@@ -182,7 +182,7 @@ class CoordinatorLoop:
         return True
 
     def _stop(self) -> None:
-        self._flush_to_api(wire.encode(wire.Shutdown("engine stopped")))
+        self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True)))
         if self.channel is not None:
             # a step may be in flight (a failure exit): its collectives should end on every
             # GPU before the stop plan lets the other ranks leave

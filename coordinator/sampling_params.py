@@ -51,6 +51,9 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens must be <= the maximum of new tokens, got "
+                             f"{self.min_tokens} > {self.max_new_tokens}")
         if self.num_beams > 1 and self.n > self.num_beams:
             raise ValueError(f"n must be <= num_beams for beam search, got n={self.n}")
 

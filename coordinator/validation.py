@@ -20,10 +20,12 @@ def validate_prompt(ids: list[int], params: SamplingParams, options: "EngineOpti
     if len(ids) >= options.max_model_len:
         raise RequestError(INVALID_PARAMS, f"prompt is {len(ids)} tokens; the model's context "
                                            f"is {options.max_model_len} (prompt too long)")
-    bad = [t for t in ids if not 0 <= t < options.vocab_size]
-    if bad:
-        raise RequestError(INVALID_PARAMS, f"prompt token ids outside the vocabulary "
-                                           f"[0, {options.vocab_size}): {bad[:5]}")
+    for what, tokens in (("prompt", ids), ("logit_bias", params.logit_bias),
+                         ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in tokens if not 0 <= t < options.vocab_size]
+        if bad:
+            raise RequestError(INVALID_PARAMS, f"{what} token ids outside the vocabulary "
+                                               f"[0, {options.vocab_size}): {bad[:5]}")
     if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
         if params.num_beams > options.scheduler.max_num_batched_tokens:
             raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "

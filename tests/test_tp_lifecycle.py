@@ -1,8 +1,10 @@
 """Life cycle of a 2-rank group on CPU (gloo), serving for real, started by torchrun and by
 `launch.py --nproc-per-node 2`: heartbeats keep an idle pair healthy, a dead rank takes the
-group down within 30 s, SIGTERM ends every rank."""
+group down within 30 s (streams in flight end with an error event), SIGTERM ends every rank
+(under torchrun too, streams in flight finish while new requests get 503)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,14 +26,15 @@ class TorchrunServer:
     """A 2-rank CPU group serving HTTP: under torchrun, or (local=True) started by
     `launch.py --nproc-per-node 2` (ranks/local_group.py)."""
 
-    def __init__(self, model: Path, tmp: Path, local: bool = False):
+    def __init__(self, model: Path, tmp: Path, local: bool = False, shutdown_timeout: int = 2):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "torchrun.log", "w+")
         launcher = (["launch.py", "--nproc-per-node", "2"] if local else
                     ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "launch.py"])
         cmd = [sys.executable, *launcher, "--model", str(model), "--device", "cpu",
-               "--port", str(self.port), "--shutdown-timeout", "2", "--custom-module", "none"]
+               "--port", str(self.port), "--shutdown-timeout", str(shutdown_timeout),
+               "--custom-module", "none"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      start_new_session=True)
@@ -136,6 +139,91 @@ def test_local_group_killed_rank0_leaves_no_ipc_directory(tmp_path):
         while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in group):
             time.sleep(0.2)
         assert not [p for p in group if Path(f"/proc/{p}").exists()], "orphans left"
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+class Stream:
+    """One streaming greedy completion read on a thread: `started` once its first chunk came;
+    `result()` is (its SSE payloads, the transport error that cut it or None)."""
+
+    def __init__(self, url: str, first_id: int, max_tokens: int):
+        import threading
+        self.started = threading.Event()
+        self.events: list[str] = []
+        self.error: Exception | None = None
+        body = {"model": "ckpt", "prompt": [1, 2, first_id], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True}
+        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: "):])
+                        self.started.set()
+        except httpx.HTTPError as e:
+            self.error = e
+        self.started.set()
+
+    def result(self, timeout: float) -> tuple[list[str], Exception | None]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "stream still open"
+        return self.events, self.error
+
+
+def _streams_in_flight(server: TorchrunServer, count: int, max_tokens: int) -> list[Stream]:
+    streams = [Stream(server.url, 3 + i, max_tokens) for i in range(count)]
+    for s in streams:
+        assert s.started.wait(60), server.tail()
+    return streams
+
+
+def test_torchrun_sigterm_drains_streams_and_answers_503(tmp_path):
+    """torchrun stops its workers with killpg: the API process, started by rank 0 in a session
+    of its own, must not take that SIGTERM itself. Rank 0 drains: new requests get 503 (not
+    a refused connection), the streams in flight end with their length and [DONE]."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path, shutdown_timeout=30)
+    try:
+        streams = _streams_in_flight(server, 6, 600)  # longer than uvicorn's own 5 s drain
+        server.proc.send_signal(signal.SIGTERM)
+        answers, deadline = [], time.monotonic() + 6
+        while time.monotonic() < deadline:  # the API keeps listening while the ranks drain
+            answers.append(httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 1}).status_code)
+            time.sleep(0.25)
+        assert answers[-1] == 503 and set(answers) <= {200, 503}, (answers, server.tail())
+        for s in streams:
+            events, error = s.result(60)
+            assert error is None and events[-1] == "[DONE]", (error, events[-2:], server.tail())
+            finish = [c["choices"][0]["finish_reason"] for c in map(json.loads, events[:-1])]
+            assert finish[-1] == "length"
+        _, waited = server.wait_exit(30)
+        assert waited < 30, server.tail()
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+def test_dead_rank_ends_streams_with_an_error_event(tmp_path):
+    """Rank 1 dies mid-stream: rank 0 stops, and every stream still open ends with the error
+    envelope as its last event (docs/api.md), not a connection cut mid-body."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path)
+    try:
+        streams = _streams_in_flight(server, 4, 800)
+        os.kill(server.rank_pid(1), signal.SIGKILL)
+        for s in streams:
+            events, error = s.result(60)
+            assert error is None, (error, server.tail())
+            last = json.loads(events[-1])  # the engine is down: 503's envelope
+            assert last.get("error", {}).get("code") == "503_SERVICE_UNAVAILABLE", last
+        rc, waited = server.wait_exit(30)
+        assert rc != 0 and waited < 30, server.tail()
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)

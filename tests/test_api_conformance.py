@@ -1,0 +1,137 @@
+"""What an outside client found (14th session), pinned on a live server (`python launch.py`,
+CPU, demo model; fixtures in tests/api_helpers.py): malformed chat fields are 605s, not
+500s; token ids outside the vocabulary and min_tokens above the limit are 605s; a stop token
+id's own text stays out of the output unless include_stop_str_in_output (as vLLM);
+`continuous_usage_stats` puts the usage in every chunk; a non-streaming client that gives up
+is a 499 in the metrics, not a 500; chat logprobs' `bytes` are each token's own bytes."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("tests.api_helpers")
+from tests.api_helpers import sse_events, sse_json, wait_for  # noqa: E402
+
+pytest_plugins = ["tests.api_helpers"]
+PROMPT = "The quick brown fox jumps over the lazy dog."
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _assert_605(r: httpx.Response, what: str) -> None:
+    assert r.status_code == 400, (what, r.status_code, r.text[:300])
+    body = r.json()
+    code = body.get("error_code") or body["error"]["code"]
+    assert code in (605, "605_INVALID_PARAMS"), (what, body)
+
+
+def test_malformed_chat_fields_are_605(http, model):
+    bad_parts = [[{"type": "text"}], [{"type": "text", "text": 5}],
+                 [{"type": "text", "text": "a", "extra": 1}]]
+    bad_kwargs = [{"add_generation_prompt": 5}, {"messages": []}, {"bos_token": "x"}, {"self": 1}]
+    for path, base in (("/v1/chat/completions", {"model": model}), ("/tokenize", {}),
+                       ("/generate", {})):
+        for parts in bad_parts:
+            r = http.post(path, json={**base, "messages": [{"role": "user", "content": parts}]})
+            _assert_605(r, f"{path} {parts}")
+        for kwargs in bad_kwargs:
+            r = http.post(path, json={**base, "messages": USER, "chat_template_kwargs": kwargs})
+            _assert_605(r, f"{path} {kwargs}")
+    ok = http.post("/tokenize", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}]}]})
+    assert ok.status_code == 200 and ok.json()["tokens"] == http.post(
+        "/tokenize", json={"messages": USER}).json()["tokens"]
+
+
+def test_ids_outside_the_vocabulary_and_min_tokens_are_605(http, model):
+    base = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    for extra in ({"logit_bias": {"-1": 5}}, {"logit_bias": {str(10 ** 6): 5}},
+                  {"stop_token_ids": [10 ** 6]}, {"min_tokens": 10}):
+        _assert_605(http.post("/v1/completions", json={**base, **extra}), str(extra))
+    assert http.post("/v1/completions", json={**base, "logit_bias": {"5": 1}}).status_code == 200
+
+
+def _text(http, model, max_tokens: int, **extra) -> dict:
+    r = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "temperature": 0,
+                                            "max_tokens": max_tokens, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_token_id_text_left_out_unless_asked(http, model):
+    ids = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+        "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
+        "return_output_ids": True}}).json()["output_ids"]
+    stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    for include in (False, True):
+        out = _text(http, model, 8, stop_token_ids=[ids[stop_at]],
+                    include_stop_str_in_output=include)
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        assert out["usage"]["completion_tokens"] == stop_at + 1  # the stop token counts
+        kept = stop_at + 1 if include else stop_at
+        assert choice["text"] == _text(http, model, kept)["choices"][0]["text"]
+
+
+def test_continuous_usage_stats_in_every_chunk(http, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = sse_json(sse_events(r))
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 5
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    body["stream_options"] = {"include_usage": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = sse_json(sse_events(r))
+    assert [("usage" in c and c["usage"] is not None) for c in chunks] == \
+        [False] * (len(chunks) - 1) + [True]
+
+
+def _requests_total(server, status: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    return sum(float(v) for v in re.findall(
+        rf'tapserve_requests_total{{[^}}]*status="{status}"[^}}]*}} (\S+)', text))
+
+
+def test_client_that_gives_up_is_499_not_500(server, model):
+    before_500, before_499 = _requests_total(server, "500"), _requests_total(server, "499")
+    body = {"model": model, "prompt": PROMPT * 4, "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
+                   timeout=1.0)
+    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 1, 5), \
+        server.log_tail()
+    assert _requests_total(server, "500") == before_500
+    assert "ClientGone" not in server.log_tail(20000)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(client, model):
+    from api.tokenizer import TextTokenizer
+    from model.demo import ensure_demo_checkpoint
+    tok = TextTokenizer.from_dir(ensure_demo_checkpoint())
+    text = "naïve café ☃ 日本語"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    assert any(_not_utf8(p) for p in pieces)  # a character split across tokens
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    for item in r.choices[0].logprobs.content:
+        for entry in (item, *item.top_logprobs):
+            assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token, entry
+
+
+def _not_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
