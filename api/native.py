@@ -34,7 +34,7 @@ from api.values import encode_value
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "5" for 5, as OpenAI
 
 
 class GenerateConfig(_Strict):

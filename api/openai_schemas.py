@@ -16,7 +16,7 @@ from api.errors import invalid
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # no "5" for 5, as OpenAI
 
 
 class StreamOptions(_Strict):

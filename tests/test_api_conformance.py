@@ -3,7 +3,8 @@ CPU, demo model; fixtures in tests/api_helpers.py): malformed chat fields are 60
 500s; token ids outside the vocabulary and min_tokens above the limit are 605s; a stop token
 id's own text stays out of the output unless include_stop_str_in_output (as vLLM);
 `continuous_usage_stats` puts the usage in every chunk; a non-streaming client that gives up
-is a 499 in the metrics, not a 500; chat logprobs' `bytes` are each token's own bytes."""
+is a 499 in the metrics, not a 500; chat logprobs' `bytes` are each token's own bytes;
+JSON types are checked strictly (as OpenAI)."""
 from __future__ import annotations
 
 import re
@@ -135,3 +136,15 @@ def _not_utf8(piece: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+def test_wrong_json_types_are_605_not_coerced(http, model):
+    """As OpenAI: a string is not a number or a bool, a bool is not a token id."""
+    base = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    for extra in ({"max_tokens": "5"}, {"stream": "yes"}, {"prompt": [True, False]},
+                  {"n": 1.0}, {"temperature": "0.5"}):
+        _assert_605(http.post("/v1/completions", json={**base, **extra}), str(extra))
+    _assert_605(http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+        "max_new_tokens": "2"}}), "generate_config.max_new_tokens")
+    ok = http.post("/v1/completions", json={**base, "temperature": 0, "top_p": 1})
+    assert ok.status_code == 200  # JSON integers stand for floats
