@@ -179,7 +179,8 @@ class EngineClient:
             payloads = [wire.encode(r) for r in requests]
         except (OverflowError, ValueError, TypeError) as e:
             from api.errors import invalid
-            raise invalid(f"request cannot be encoded: {e}") from e
+            raise invalid(f"request cannot be encoded (integers, such as custom_output_params "
+                          f"values or the seed, must fit in 64 bits): {e}") from e
         group = RequestGroup(self, [r.request_id for r in requests])
         for r in requests:
             self._routes[r.request_id] = group

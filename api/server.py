@@ -34,6 +34,7 @@ from api.tokenizer import TextTokenizer
 __all__ = ["ApiConfig", "create_app", "main"]
 log = logging.getLogger("tapserve.api")
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate", "/custom_output")
+CLIENT_GONE = 499  # nginx's "client closed request": how a request that lost its client counts
 
 
 class Gate:
@@ -52,10 +53,30 @@ class Gate:
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
             return await _send_error(send, self._too_large(), path)
-        body, more = await _read_body(receive, self.config.max_body_bytes)
-        if more:
+        body, ended = await _read_body(receive, self.config.max_body_bytes)
+        if ended == "too large":
             return await _send_error(send, self._too_large(), path)
-        await self.app(scope, _replay(body, receive), self._measured(send, path))
+        measured = path in _GENERATION_PATHS
+        if ended == "client gone":  # the upload was cut off: nothing to parse or answer
+            if measured:
+                self._count(path, time.monotonic(), CLIENT_GONE)
+            return
+        if not measured:
+            return await self.app(scope, _replay(body, receive), send)
+        start, response, client = time.monotonic(), _ResponseRecord(send), _ClientRecord(receive)
+        failed = False
+        try:
+            await self.app(scope, _replay(body, client.receive), response.send)
+        except BaseException:
+            failed = True
+            raise
+        finally:  # a response cut short counts as the client's leaving (499) or a failure
+            self._count(path, start, response.status if response.complete else
+                        CLIENT_GONE if client.gone and not failed else 500)
+
+    def _count(self, path: str, start: float, status: int) -> None:
+        self.metrics.e2e.observe(time.monotonic() - start)
+        self.metrics.requests.labels(endpoint=path, status=str(status)).inc()
 
     def _authorized(self, scope: dict) -> bool:
         auth = _header(scope, b"authorization") or ""
@@ -65,19 +86,31 @@ class Gate:
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body larger than {self.config.max_body_bytes} bytes")
 
-    def _measured(self, send: Any, path: str) -> Any:
-        if path not in _GENERATION_PATHS:
-            return send
-        start, status = time.monotonic(), [500]
 
-        async def wrapped(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                self.metrics.e2e.observe(time.monotonic() - start)
-                self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
-        return wrapped
+class _ResponseRecord:
+    """Passes a response's messages on and notes its status and whether it completed."""
+
+    def __init__(self, send: Any):
+        self._send, self.status, self.complete = send, 500, False
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self._send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            self.complete = True
+
+
+class _ClientRecord:
+    """Passes the client's messages on and notes a disconnect."""
+
+    def __init__(self, receive: Any):
+        self._receive, self.gone = receive, False
+
+    async def receive(self) -> dict:
+        message = await self._receive()
+        self.gone = self.gone or message["type"] == "http.disconnect"
+        return message
 
 
 def _header(scope: dict, name: bytes) -> str | None:
@@ -87,20 +120,23 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-async def _read_body(receive: Any, limit: int) -> tuple[bytes, bool]:
-    """The whole request body; `more` is True when it exceeded `limit` bytes."""
+async def _read_body(receive: Any, limit: int) -> tuple[bytes, str]:
+    """The whole request body, and how it ended: "complete", "too large" (over `limit`
+    bytes) or "client gone" (a disconnect before its end)."""
     chunks, size = [], 0
     while True:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"", "client gone"
         if message["type"] != "http.request":
-            return b"".join(chunks), False
+            return b"".join(chunks), "complete"
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            return b"", True
+            return b"", "too large"
         chunks.append(chunk)
         if not message.get("more_body"):
-            return b"".join(chunks), False
+            return b"".join(chunks), "complete"
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -73,6 +73,9 @@ class AppState:
             raise ApiError(503, "the server is shutting down")
         if not self.client.healthy(self.config.engine_timeout_s):
             raise ApiError(503, "the engine is not available")
+        if num_requests > self.config.max_in_flight:  # could never be admitted: not a 503
+            raise invalid(f"the request has {num_requests} prompts; the server admits "
+                          f"at most {self.config.max_in_flight} at once", "prompt")
         if self.client.num_in_flight + num_requests > self.config.max_in_flight:
             raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"
                                 " retry later")

@@ -2,9 +2,10 @@
 CPU, demo model; fixtures in tests/api_helpers.py): malformed chat fields are 605s, not
 500s; token ids outside the vocabulary and min_tokens above the limit are 605s; a stop token
 id's own text stays out of the output unless include_stop_str_in_output (as vLLM);
-`continuous_usage_stats` puts the usage in every chunk; a non-streaming client that gives up
-is a 499 in the metrics, not a 500; chat logprobs' `bytes` are each token's own bytes;
-JSON types are checked strictly (as OpenAI)."""
+`continuous_usage_stats` puts the usage in every chunk; a client that gives up (a request
+waiting, a stream, an upload) is a 499 in the metrics, not a 500 nor missing; a request
+larger than the queue is a 605, not a 503; chat logprobs' `bytes` are each token's own
+bytes; JSON types are checked strictly (as OpenAI)."""
 from __future__ import annotations
 
 import re
@@ -148,3 +149,30 @@ def test_wrong_json_types_are_605_not_coerced(http, model):
         "max_new_tokens": "2"}}), "generate_config.max_new_tokens")
     ok = http.post("/v1/completions", json={**base, "temperature": 0, "top_p": 1})
     assert ok.status_code == 200  # JSON integers stand for floats
+
+
+def test_cancelled_streams_and_cut_uploads_count_as_499(server, model):
+    import socket
+    from urllib.parse import urlparse
+    before_499, before_400 = _requests_total(server, "499"), _requests_total(server, "400")
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers=server.headers, timeout=30) as r:
+        assert next(r.iter_lines()).startswith("data: ")  # in flight, then the client leaves
+    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 1, 5), \
+        server.log_tail()
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as s:  # half a body, then gone
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 86\r\nAuthorization: " + server.headers.get(
+                      "Authorization", "none").encode() + b"\r\n\r\n" + b'{"prompt": "abc", "m')
+    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 2, 5)
+    assert _requests_total(server, "400") == before_400
+
+
+def test_a_request_larger_than_the_queue_is_605_not_503(http, model):
+    r = http.post("/v1/completions", json={"model": model, "prompt": ["x"] * 1000,
+                                            "max_tokens": 1})
+    _assert_605(r, "1000 prompts")
+    assert "admits at most" in r.json()["error"]["message"]
