@@ -159,8 +159,10 @@ class Generation:
             return None
         ids, p = seq.new_token_ids, state.params
         # a stop token id ends the text before its own text, unless include_stop_str_in_output
-        # (as vLLM); the token still counts (usage, logprobs)
-        hidden = int(seq.finish_reason == "stop" and bool(ids) and ids[-1] in p.stop_token_ids
+        # (as vLLM); the token still counts (usage, logprobs). Decided by the token, not by
+        # the finish: a sequence whose last token is scored (LAST_GENERATED) finishes in a
+        # later output. Sampling bans stop tokens before min_tokens, so one is always last.
+        hidden = int(bool(ids) and ids[-1] in p.stop_token_ids and p.num_beams == 1
                      and not p.include_stop_str_in_output)
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:

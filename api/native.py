@@ -263,7 +263,7 @@ def build_router() -> APIRouter:
         if len(body.prompts) > state.config.max_prompts:
             raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompts")
         cops = _score_params(body)
-        state.admit(len(body.prompts))
+        state.admit(len(body.prompts), "prompts")
         jobs = []
         for i, (prompt, cop) in enumerate(zip(body.prompts, cops)):
             try:

@@ -53,17 +53,18 @@ class Gate:
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
             return await _send_error(send, self._too_large(), path)
+        start = time.monotonic()
         body, ended = await _read_body(receive, self.config.max_body_bytes)
         if ended == "too large":
             return await _send_error(send, self._too_large(), path)
         measured = path in _GENERATION_PATHS
         if ended == "client gone":  # the upload was cut off: nothing to parse or answer
             if measured:
-                self._count(path, time.monotonic(), CLIENT_GONE)
+                self._count(path, start, CLIENT_GONE)
             return
         if not measured:
             return await self.app(scope, _replay(body, receive), send)
-        start, response, client = time.monotonic(), _ResponseRecord(send), _ClientRecord(receive)
+        response, client = _ResponseRecord(send), _ClientRecord(receive)
         failed = False
         try:
             await self.app(scope, _replay(body, client.receive), response.send)
@@ -168,6 +169,7 @@ async def _watchdog(config: ApiConfig, client: EngineClient) -> None:
         await asyncio.sleep(0.5)
         if os.getppid() != parent:
             log.error("parent process %d is gone; stopping", parent)
+            client.fail_all(EngineError(ENGINE_DOWN, "the engine is gone"))  # answer them now
             os.kill(os.getpid(), signal.SIGTERM)
             return
         last = client.last_message_time

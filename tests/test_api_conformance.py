@@ -71,14 +71,22 @@ def test_stop_token_id_text_left_out_unless_asked(http, model):
         "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
         "return_output_ids": True}}).json()["output_ids"]
     stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
-    for include in (False, True):
+    # the last generated token scored (position -2) finishes the sequence one output later
+    for include, scored in ((False, False), (True, False), (False, True)):
+        extra = {"custom_output_params": {"position": -2}} if scored else {}
         out = _text(http, model, 8, stop_token_ids=[ids[stop_at]],
-                    include_stop_str_in_output=include)
+                    include_stop_str_in_output=include, **extra)
         choice = out["choices"][0]
         assert choice["finish_reason"] == "stop"
         assert out["usage"]["completion_tokens"] == stop_at + 1  # the stop token counts
-        kept = stop_at + 1 if include else stop_at
-        assert choice["text"] == _text(http, model, kept)["choices"][0]["text"]
+        kept = _text(http, model, stop_at + 1 if include else stop_at)["choices"][0]["text"]
+        assert choice["text"] == kept, (include, scored)
+        with http.stream("POST", "/v1/completions", json={
+                "model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 8,
+                "ignore_eos": True, "stream": True, "stop_token_ids": [ids[stop_at]],
+                "include_stop_str_in_output": include, **extra}) as r:
+            chunks = sse_json(sse_events(r))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == kept, (include, scored)
 
 
 def test_continuous_usage_stats_in_every_chunk(http, model):
@@ -176,3 +184,31 @@ def test_a_request_larger_than_the_queue_is_605_not_503(http, model):
                                             "max_tokens": 1})
     _assert_605(r, "1000 prompts")
     assert "admits at most" in r.json()["error"]["message"]
+
+
+def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
+    """The API process runs in a session of its own; it watches rank 0 by the pid rank 0
+    gives it (not its own getppid(), which may already be 1), and when rank 0 is killed it
+    ends the open streams with the 503 envelope before it stops."""
+    import os
+    import signal
+
+    from tests.api_helpers import LiveServer
+    from tests.proc_helpers import cmdline, descendants
+    server = LiveServer()
+    try:
+        api = next(pid for pid in descendants(server.proc.pid) if "api.server" in cmdline(pid))
+        argv = cmdline(api)
+        assert argv[argv.index("--parent-pid") + 1] == str(server.proc.pid)
+        body = {"model": "tapserve-demo", "prompt": PROMPT, "max_tokens": 1500,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                          headers=server.headers, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(server.proc.pid, signal.SIGKILL)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert '"503_SERVICE_UNAVAILABLE"' in events[-1], events[-2:]
+        assert wait_for(lambda: not os.path.exists(f"/proc/{api}"), 15)
+    finally:
+        server.stop()
