@@ -128,6 +128,12 @@ class IncrementalDetokenizer:
                 if cut is not None:
                     self.text, self.stopped = self.text[:cut], True
 
+    def drop_held(self) -> None:
+        """The sequence ends on a token whose text is left out (a stop token id): characters
+        held for completion are dropped, not flushed by finish() as U+FFFD, since the token
+        left out would have completed them (as vLLM drops that token's whole text)."""
+        self._read_offset = len(self._ids)
+
     def take_delta(self, final: bool = False) -> str:
         """Text not handed out yet; while not final, minus the stop-string hold-back."""
         end = len(self.text) if final or self.stopped else max(self._sent,

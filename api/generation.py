@@ -167,6 +167,7 @@ class Generation:
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1
+            choice.detok.drop_held()
         delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
         if seq.new_logprobs:
             delta.logprobs = seq.new_logprobs[:used]

@@ -107,6 +107,22 @@ def test_detokenizer_is_utf8_safe(tok):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_detokenizer_drops_held_bytes_of_a_left_out_token(tok):
+    """A stop token id whose text is left out ends the sequence: the bytes held for the
+    character it would have completed are dropped, not flushed as U+FFFD."""
+    ids = tok.encode("ok 日")
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in tok.decode(ids[:i]))
+    d = IncrementalDetokenizer(tok, [], True, StopChecker())
+    d.add_tokens(ids[:cut])  # the last of them holds a partial character
+    d.drop_held()
+    d.finish()
+    assert d.take_delta(final=True) == tok.decode(ids[:cut]).rstrip("\ufffd") == "ok "
+    flushed = IncrementalDetokenizer(tok, [], True, StopChecker())
+    flushed.add_tokens(ids[:cut])
+    flushed.finish()
+    assert flushed.take_delta(final=True).endswith("\ufffd")  # what finish() alone does
+
+
 def test_detokenizer_stop_strings(tok):
     text = "one two three four five six"
     ids = tok.encode(text)
