@@ -23,21 +23,17 @@ from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from api.errors import ApiError, invalid
 from api.generation import Choice, Generation
-from api.openai_schemas import ChatMessage
+from api.openai_schemas import ChatMessage, StrictModel
 from api.state import AppState, race_disconnect, sse
 from api.tokenizer import ChatTemplateError
 from api.values import encode_value
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # no "5" for 5, as OpenAI
-
-
-class GenerateConfig(_Strict):
+class GenerateConfig(StrictModel):
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
     temperature: float = 1.0
@@ -83,7 +79,7 @@ class GenerateConfig(_Strict):
             "include_stop_str_in_output": self.include_stop_str_in_output}
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictModel):
     prompt: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -93,13 +89,13 @@ class GenerateRequest(_Strict):
     stream: bool = False
 
 
-class CustomOutputRequest(_Strict):
+class CustomOutputRequest(StrictModel):
     prompts: list[str | list[int]] = Field(min_length=1)
     custom_output_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     custom_output_encoding: Literal["json", "base64"] = "json"
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -107,7 +103,7 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     tokens: list[int]
     skip_special_tokens: bool = False
 

@@ -5,7 +5,8 @@ Choices: prompt p's sample i is choice `p * n + i`. Every choice carries its own
 `extra_outputs.custom_output`, the value of its last choice (DESIGN.md). Streams interleave
 the choices' chunks (each with the usage so far when `stream_options` has both
 `include_usage` and `continuous_usage_stats`, as vLLM), end with the usage chunk when
-`stream_options.include_usage`, then `data: [DONE]`. Errors known before the first token are plain HTTP answers.
+`stream_options.include_usage`, then `data: [DONE]`. Errors known before the first token
+are plain HTTP answers.
 """
 from __future__ import annotations
 
@@ -162,10 +163,9 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
 # ---- routes ------------------------------------------------------------------------------
 def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
     messages = [m.template_dict() for m in body.messages]
-    kwargs = dict(body.chat_template_kwargs or {})
     add_gen = body.add_generation_prompt and not body.continue_final_message
     try:
-        text = state.tokenizer.apply_chat_template(messages, add_gen, kwargs)
+        text = state.tokenizer.apply_chat_template(messages, add_gen, body.chat_template_kwargs)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from None
     if body.continue_final_message:

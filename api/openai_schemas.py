@@ -15,16 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.errors import invalid
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # no "5" for 5, as OpenAI
+class StrictModel(BaseModel):
+    """A request body: no unknown fields, no coercion ("5" is not 5), as OpenAI."""
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -108,12 +109,12 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -141,7 +142,7 @@ class ChatMessage(_Strict):
         return out
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text"]
 
 

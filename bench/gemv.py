@@ -173,20 +173,17 @@ def main() -> None:
     args = parser.parse_args()
     space = {key: tuple(int(v) for v in getattr(args, key).split(",")) for key in SWEEP_SPACE}
     linears = set(args.linears.split(","))
+    shapes = {f"{Path(path).stem} tp{tp} {name}": shape  # every linear timed, by its tag
+              for path in args.model_config for tp in map(int, args.tp.split(","))
+              for name, shape in linear_shapes(json.loads(Path(path).read_text()), tp).items()
+              if name in linears}
     if args.sweep and args.precompile:
-        configs = [json.loads(Path(path).read_text()) for path in args.model_config]
-        ks = sorted({k for config in configs for tp in args.tp.split(",")
-                     for n, k in linear_shapes(config, int(tp)).values()})
+        ks = sorted({k for _, k in shapes.values()})
         precompile(configs_to_sweep(1, space), ks, args.precompile)
     rows = [int(r) for r in args.rows.split(",")]
     out = []
-    for path in args.model_config:
-        config = json.loads(Path(path).read_text())
-        for tp in (int(t) for t in args.tp.split(",")):
-            for name, (n, k) in linear_shapes(config, tp).items():
-                if name in linears:
-                    tag = f"{Path(path).stem} tp{tp} {name}"
-                    out += measure(tag, n, k, rows, args.sweep, args.top, space)
+    for tag, (n, k) in shapes.items():
+        out += measure(tag, n, k, rows, args.sweep, args.top, space)
     print(f"{'linear':32} {'M':>2} {'cuBLAS TB/s':>11} {'gemv TB/s':>9} {'layers use':>10}  config")
     for r in out:
         print(f"{r['linear']:32} {r['rows']:>2} {r['cublas_tbs']:11.2f} {r['gemv_tbs']:9.2f} "
