@@ -12,7 +12,7 @@ from model.attention import AttentionMetadata, reference_attention, store_kv
 from model.config import ModelConfig
 from model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                           RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
-from model.rotary import RotaryEmbedding, rotary_with_qk_norm
+from model.rotary import RotaryEmbedding, rotary_into_cache, rotary_with_qk_norm
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -20,10 +20,13 @@ StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 @dataclass
 class AttentionBackend:
-    """How attention reads and writes the paged cache: (store, prefill/extend, decode)."""
+    """How attention reads and writes the paged cache: (store, prefill/extend, decode).
+    store_in_rotary: the store may instead be done by the rotary kernel, where it applies
+    (`model.rotary.rotary_into_cache`; the same cache layout and contract as store)."""
     store: StoreFn = store_kv
     extend: AttentionFn = reference_attention
     decode: AttentionFn = reference_attention
+    store_in_rotary: bool = False
 
 
 @dataclass
@@ -56,15 +59,28 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[layer]
+        q = self._rotate_and_store(q, k, v, k_cache, v_cache, ctx)
+        attend = self.backend.decode if ctx.attn.is_decode else self.backend.extend
+        out = attend(q, k_cache, v_cache, ctx.attn, self.scale)
+        return self.o_proj(out.flatten(1))
+
+    def _rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          ctx: ForwardContext) -> torch.Tensor:
+        """Rotary (after q/k norm) on q and k, and k, v into the cache; returns q."""
+        slots = ctx.attn.slot_mapping
+        if self.backend.store_in_rotary:
+            q_rot = rotary_into_cache(self.rotary, ctx.positions, q, k, v, self.q_norm,
+                                      self.k_norm, k_cache, v_cache, slots)
+            if q_rot is not None:
+                return q_rot
         if self.q_norm is not None:
             q, k = rotary_with_qk_norm(self.rotary, ctx.positions, q, k, self.q_norm, self.k_norm)
         else:
             q, k = self.rotary(ctx.positions, q, k)
-        k_cache, v_cache = ctx.kv_caches[layer]
-        self.backend.store(k, v, k_cache, v_cache, ctx.attn.slot_mapping)
-        attend = self.backend.decode if ctx.attn.is_decode else self.backend.extend
-        out = attend(q, k_cache, v_cache, ctx.attn, self.scale)
-        return self.o_proj(out.flatten(1))
+        self.backend.store(k, v, k_cache, v_cache, slots)
+        return q
 
 
 class MLP(nn.Module):

@@ -28,7 +28,11 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
     """splits(batch, kv_heads): the decode KV split count, the largest power of two for
     which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM (at least
     1), capped at ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a
+    MAX_KV_SPLITS; but never so few that some SM gets no program, while splits can still
+    fill them (the largest power of two with batch x kv_heads x splits <= num_sms, within
+    MAX_KV_SPLITS). That floor only binds at a short context limit and a tiny batch:
+    qwen3-8b at batch 1 and a 1.3K limit takes 16 splits instead of 8 (docs/benchmarks.md,
+    15th session). A small batch takes more splits. Powers of two only: each count is a
     kernel variant to compile (a handful, not one per batch size). Fewer KV heads never mean
     fewer splits, so a workspace sized for one KV head fits every batch."""
     import triton
@@ -37,9 +41,14 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
     cap = triton.next_power_of_2(num_kv_splits_for(
         max_model_len, tokens_per_split=TOKENS_PER_SPLIT, max_splits=MAX_KV_SPLITS))
 
+    def power_of_two_within(programs: int, batch: int, kv_heads: int) -> int:
+        most = max(1, programs // (batch * kv_heads))
+        return 1 << (most.bit_length() - 1)
+
     def splits(batch: int, kv_heads: int) -> int:
-        want = max(1, PROGRAMS_PER_SM * num_sms // (batch * kv_heads))
-        return min(cap, 1 << (want.bit_length() - 1))
+        want = min(cap, power_of_two_within(PROGRAMS_PER_SM * num_sms, batch, kv_heads))
+        every_sm = min(MAX_KV_SPLITS, power_of_two_within(num_sms, batch, kv_heads))
+        return max(want, every_sm)
     return splits
 
 
@@ -140,4 +149,5 @@ def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model
                                                     split.decode_order)
         return out
 
-    return AttentionBackend(store=store_kv_cache, extend=extend, decode=decode)
+    return AttentionBackend(store=store_kv_cache, extend=extend, decode=decode,
+                            store_in_rotary=True)

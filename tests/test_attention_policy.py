@@ -16,9 +16,10 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
     """Powers of two only (each is a kernel variant); batch x KV heads x splits stays at or
     under PROGRAMS_PER_SM per SM (or one split) and is the largest such power of two, unless
-    the context limit caps the count (one split per TOKENS_PER_SPLIT tokens, at most MAX_KV_SPLITS);
-    fewer KV heads never mean fewer splits, so the backend's workspace, sized for one KV
-    head, fits every batch."""
+    the context limit caps the count (one split per TOKENS_PER_SPLIT tokens, at most
+    MAX_KV_SPLITS); the cap never leaves SMs without a program where more splits would fill
+    them; fewer KV heads never mean fewer splits, so the backend's workspace, sized for one
+    KV head, fits every batch."""
     import triton
 
     from model.triton_backend import (MAX_KV_SPLITS, PROGRAMS_PER_SM, TOKENS_PER_SPLIT,
@@ -30,15 +31,20 @@ def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
         for kv_heads in (1, 2, 8):
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
-                assert 1 <= s <= cap and s & (s - 1) == 0
                 programs = batch * kv_heads * s
+                assert 1 <= s <= MAX_KV_SPLITS and s & (s - 1) == 0
+                assert s <= cap or programs <= sms  # above the cap only to fill the SMs
                 assert s == 1 or programs <= PROGRAMS_PER_SM * sms
-                assert s == cap or 2 * programs > PROGRAMS_PER_SM * sms
+                assert s >= cap or 2 * programs > PROGRAMS_PER_SM * sms
+                assert s == MAX_KV_SPLITS or 2 * programs > sms  # no SM left idle
                 assert s <= splits(batch, 1)
     # measured best at contexts 100-2048, longest context first (docs/benchmarks.md)
     best = {256: 1, 128: 1, 64: 2, 32: 4, 16: 8}
     assert {b: decode_split_policy(4096, sms)(b, 8) for b in best} == best
     assert decode_split_policy(40960, sms)(1, 8) == MAX_KV_SPLITS
+    # a short limit (decode_sweep's 1.3K) caps batch 2 at 8 splits; batch 1 takes 16 so that
+    # its 8 KV heads fill the 132 SMs (measured faster on the H200, docs/benchmarks.md)
+    assert [decode_split_policy(1300, sms)(b, 8) for b in (1, 2, 4, 8)] == [16, 8, 8, 8]
 
 
 @needs_triton

@@ -14,6 +14,8 @@ Exports (loaded lazily, so `import model.kernels` works without Triton installed
   fused_add_rms_norm(x, residual, weight, eps) -> (normed, x + residual)
   apply_rotary(q, k, cos, sin, positions) -> (q_rot, k_rot)          (rotary.py, new tensors)
   qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin, positions) -> (q_rot, k_rot)
+  rotary_store / qk_norm_rotary_store(..., KVStore(v, k_cache, v_cache, slot_mapping))
+      -> q_rot, with k and v written into the KV cache                (rotary.py)
   silu_and_mul(x, out=None) -> silu(x[..., :I]) * x[..., I:]         (activation.py)
   gemv(x, weight, bias=None, config) -> x @ weight.T (+ bias), <= 8 rows  (gemv.py)
 

@@ -8,12 +8,17 @@ Qwen3's per-head q/k RMSNorm.
 `apply_rotary` returns NEW contiguous tensors (q and k are not modified; they may be strided
 views of a fused QKV projection, last dim contiguous). `qk_norm_rotary` first applies
 RMSNorm per head (fp32 math, rounded to the input dtype, times the weight, rounded again: as
-`model.layers.RMSNorm.forward`), then the rotation above, in one kernel.
+`model.layers.RMSNorm.forward`), then the rotation above, in one kernel. `rotary_store`
+and `qk_norm_rotary_store` write the rotated k, and v as it is, into the paged KV cache
+(`KVStore`; the contract of `model.attention.store_kv`: slot -1 writes nowhere) instead of
+returning k: one launch where rotary and the store took two.
 
 Grid: (T,). One program rotates every q and k head of one token; the grid depends only on T,
 so the launch is CUDA-graph capturable.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -59,10 +64,13 @@ def _rotate_heads(src, dst, s_h, d_h, n_heads, cos1, sin1, cos2, sin2, w1, w2, e
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
+    v_ptr, kc_ptr, vc_ptr, slot_ptr,
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cos, s_sin,
+    sv_t, sv_h, skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
     n_q_heads, n_k_heads, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -84,8 +92,31 @@ def _rotary_kernel(
         kw2 = cos1
     _rotate_heads(q_ptr + t * sq_t, qo_ptr + t * sqo_t, sq_h, sqo_h, n_q_heads,
                   cos1, sin1, cos2, sin2, qw1, qw2, eps, HEAD_DIM, HALF, BLOCK_HQ, NORM)
-    _rotate_heads(k_ptr + t * sk_t, ko_ptr + t * sko_t, sk_h, sko_h, n_k_heads,
-                  cos1, sin1, cos2, sin2, kw1, kw2, eps, HEAD_DIM, HALF, BLOCK_HK, NORM)
+    if STORE:  # k and v go to the token's cache slot; a slot < 0 masks every head
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        live = tl.where(slot >= 0, n_k_heads, 0)
+        slot = tl.maximum(slot, 0)
+        k_dst = kc_ptr + (slot // PAGE) * skc_b + (slot % PAGE) * skc_s
+        _rotate_heads(k_ptr + t * sk_t, k_dst, sk_h, skc_h, live,
+                      cos1, sin1, cos2, sin2, kw1, kw2, eps, HEAD_DIM, HALF, BLOCK_HK, NORM)
+        offs_h = tl.arange(0, BLOCK_HK)
+        offs_v = tl.arange(0, HEAD_DIM)
+        v_mask = offs_h[:, None] < live
+        v = tl.load(v_ptr + t * sv_t + offs_h[:, None] * sv_h + offs_v[None, :], mask=v_mask)
+        v_dst = vc_ptr + (slot // PAGE) * svc_b + (slot % PAGE) * svc_s
+        tl.store(v_dst + offs_h[:, None] * svc_h + offs_v[None, :],
+                 v.to(vc_ptr.dtype.element_ty), mask=v_mask)
+    else:
+        _rotate_heads(k_ptr + t * sk_t, ko_ptr + t * sko_t, sk_h, sko_h, n_k_heads,
+                      cos1, sin1, cos2, sin2, kw1, kw2, eps, HEAD_DIM, HALF, BLOCK_HK, NORM)
+
+
+class KVStore(NamedTuple):
+    """Where the fused kernel writes k and v: `model.attention.store_kv`'s arguments."""
+    v: torch.Tensor  # [T, Hkv, D], last dim contiguous (may be a view of a fused QKV output)
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], last dim contiguous
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [>=T] int32/int64 flat slots, -1: nowhere
 
 
 def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -96,7 +127,8 @@ def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, q_weight: torch.Tensor | None,
-            k_weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            k_weight: torch.Tensor | None, eps: float, store: KVStore | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     q, k = _prep(q, "q"), _prep(k, "k")
     t, n_q, d = q.shape
     n_k = k.shape[1]
@@ -110,7 +142,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    k_out = torch.empty(k.shape if store is None else (0,), dtype=k.dtype, device=k.device)
+    if store is not None:
+        store = store._replace(v=_prep(store.v, "v"))
+        _check_store(k, store)
     if t == 0:
         return q_out, k_out
     norm = q_weight is not None
@@ -121,17 +156,42 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     block_hq, block_hk = triton.next_power_of_2(n_q), triton.next_power_of_2(n_k)
     tile = (block_hq + block_hk) * d
     num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4
+    v, k_cache, v_cache, slots = store if store is not None else (k, k_out, k_out, positions)
     _rotary_kernel[(t,)](
         q, k, q_out, k_out, cos, sin, positions,
-        q_weight if norm else cos, k_weight if norm else cos,
+        q_weight if norm else cos, k_weight if norm else cos, v, k_cache, v_cache, slots,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q_out.stride(0), q_out.stride(1), *(k_out.stride() if store is None else (0, 0))[:2],
         cos.stride(0), sin.stride(0),
+        *_store_strides(store),
         n_q, n_k, float(eps),
         HEAD_DIM=d, HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, NORM=norm,
+        STORE=store is not None, PAGE=k_cache.shape[1] if store is not None else 1,
         num_warps=num_warps, **pdl_options(q),
     )
     return q_out, k_out
+
+
+def _check_store(k: torch.Tensor, store: KVStore) -> None:
+    t, n_k, d = k.shape
+    if store.v.shape != k.shape:
+        raise ValueError(f"v {tuple(store.v.shape)} does not match k {tuple(k.shape)}")
+    cache_shape = store.k_cache.shape
+    if (store.v_cache.shape != cache_shape or len(cache_shape) != 4
+            or tuple(cache_shape[2:]) != (n_k, d)):
+        raise ValueError(f"caches {tuple(cache_shape)}, {tuple(store.v_cache.shape)} are not "
+                         f"[blocks, block_size, {n_k}, {d}]")
+    if store.k_cache.stride(-1) != 1 or store.v_cache.stride(-1) != 1:
+        raise ValueError("the caches' last dim must be contiguous")
+    if store.slot_mapping.shape[0] < t:
+        raise ValueError(f"{store.slot_mapping.shape[0]} slots for {t} tokens")
+
+
+def _store_strides(store: KVStore | None) -> tuple[int, ...]:
+    """(sv_t, sv_h, skc_b, skc_s, skc_h, svc_b, svc_s, svc_h); zeros without a store."""
+    if store is None:
+        return (0,) * 8
+    return (*store.v.stride()[:2], *store.k_cache.stride()[:3], *store.v_cache.stride()[:3])
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -147,3 +207,18 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
     """Qwen3: per-head RMSNorm of q and k (weights [D], one eps) followed by RoPE, in one
     kernel; equal to rotary(rms_norm(q), rms_norm(k)). Returns new contiguous tensors."""
     return _launch(q, k, cos, sin, positions, q_weight, k_weight, eps)
+
+
+def rotary_store(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, store: KVStore) -> torch.Tensor:
+    """apply_rotary, with the rotated k and store.v written into the paged KV cache (as
+    `store_kv`) instead of returned: returns q_rot only."""
+    return _launch(q, k, cos, sin, positions, None, None, 0.0, store)[0]
+
+
+def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                         k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                         sin: torch.Tensor, positions: torch.Tensor, store: KVStore) -> torch.Tensor:
+    """qk_norm_rotary, with the result's k and store.v written into the paged KV cache (as
+    `store_kv`) instead of returned: returns q only."""
+    return _launch(q, k, cos, sin, positions, q_weight, k_weight, eps, store)[0]
