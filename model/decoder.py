@@ -22,7 +22,8 @@ StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 class AttentionBackend:
     """How attention reads and writes the paged cache: (store, prefill/extend, decode).
     store_in_rotary: the store may instead be done by the rotary kernel, where it applies
-    (`model.rotary.rotary_into_cache`; the same cache layout and contract as store)."""
+    (`model.rotary.rotary_into_cache`, which writes as `model.attention.store_kv` does); a
+    backend whose store does anything else (quantises, records) must leave it False."""
     store: StoreFn = store_kv
     extend: AttentionFn = reference_attention
     decode: AttentionFn = reference_attention

@@ -22,24 +22,32 @@ MAX_KV_SPLITS = 64
 # heads on 132 SMs this gives one split: the kernel writes the output itself, no merge.
 PROGRAMS_PER_SM = 8
 TOKENS_PER_SPLIT = 256  # of the context limit: bounds the split count (see the policy)
+MIN_SPLIT_TOKENS = 64  # the decode kernel's 16-bit BLOCK_N: no split reads fewer tokens
 
 
 def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int], int]:
     """splits(batch, kv_heads): the decode KV split count, the largest power of two for
     which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM (at least
     1), capped at ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS; but never so few that some SM gets no program, while splits can still
-    fill them (the largest power of two with batch x kv_heads x splits <= num_sms, within
-    MAX_KV_SPLITS). That floor only binds at a short context limit and a tiny batch:
-    qwen3-8b at batch 1 and a 1.3K limit takes 16 splits instead of 8 (docs/benchmarks.md,
-    15th session). A small batch takes more splits. Powers of two only: each count is a
-    kernel variant to compile (a handful, not one per batch size). Fewer KV heads never mean
+    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a
+    kernel variant to compile (a handful, not one per batch size).
+
+    The cap never leaves an SM without a program where more splits could still fill the
+    SMs: the count is at least the largest power of two with batch x kv_heads x splits <=
+    num_sms, within MAX_KV_SPLITS and within the splits a context at the limit can use (a
+    split reads at least MIN_SPLIT_TOKENS). That floor binds only at a short context limit
+    and small batches: with 8 KV heads (qwen3-8b at TP 1), batch 1 at a 1.3K limit takes 16
+    splits instead of 8, measured faster (docs/benchmarks.md, 15th session); with fewer KV
+    heads per rank it reaches a few batches further (unmeasured). Fewer KV heads never mean
     fewer splits, so a workspace sized for one KV head fits every batch."""
     import triton
 
     from model.kernels import num_kv_splits_for
-    cap = triton.next_power_of_2(num_kv_splits_for(
-        max_model_len, tokens_per_split=TOKENS_PER_SPLIT, max_splits=MAX_KV_SPLITS))
+
+    def limit_splits(tokens_per_split: int) -> int:
+        return triton.next_power_of_2(num_kv_splits_for(
+            max_model_len, tokens_per_split=tokens_per_split, max_splits=MAX_KV_SPLITS))
+    cap, usable = limit_splits(TOKENS_PER_SPLIT), limit_splits(MIN_SPLIT_TOKENS)
 
     def power_of_two_within(programs: int, batch: int, kv_heads: int) -> int:
         most = max(1, programs // (batch * kv_heads))
@@ -47,7 +55,7 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
 
     def splits(batch: int, kv_heads: int) -> int:
         want = min(cap, power_of_two_within(PROGRAMS_PER_SM * num_sms, batch, kv_heads))
-        every_sm = min(MAX_KV_SPLITS, power_of_two_within(num_sms, batch, kv_heads))
+        every_sm = min(usable, power_of_two_within(num_sms, batch, kv_heads))
         return max(want, every_sm)
     return splits
 

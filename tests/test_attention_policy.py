@@ -22,21 +22,22 @@ def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
     KV head, fits every batch."""
     import triton
 
-    from model.triton_backend import (MAX_KV_SPLITS, PROGRAMS_PER_SM, TOKENS_PER_SPLIT,
-                                      decode_split_policy)
+    from model.triton_backend import (MAX_KV_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM,
+                                      TOKENS_PER_SPLIT, decode_split_policy)
     sms = 132
-    for limit in (1200, 4096, 40960):
+    for limit in (256, 1200, 4096, 40960):
         splits = decode_split_policy(limit, num_sms=sms)
         cap = min(MAX_KV_SPLITS, triton.next_power_of_2(-(-limit // TOKENS_PER_SPLIT)))
+        usable = min(MAX_KV_SPLITS, triton.next_power_of_2(-(-limit // MIN_SPLIT_TOKENS)))
         for kv_heads in (1, 2, 8):
             for batch in range(1, 257):
                 s = splits(batch, kv_heads)
                 programs = batch * kv_heads * s
-                assert 1 <= s <= MAX_KV_SPLITS and s & (s - 1) == 0
+                assert 1 <= s <= usable and s & (s - 1) == 0
                 assert s <= cap or programs <= sms  # above the cap only to fill the SMs
                 assert s == 1 or programs <= PROGRAMS_PER_SM * sms
                 assert s >= cap or 2 * programs > PROGRAMS_PER_SM * sms
-                assert s == MAX_KV_SPLITS or 2 * programs > sms  # no SM left idle
+                assert s == usable or 2 * programs > sms  # no SM left idle
                 assert s <= splits(batch, 1)
     # measured best at contexts 100-2048, longest context first (docs/benchmarks.md)
     best = {256: 1, 128: 1, 64: 2, 32: 4, 16: 8}
@@ -45,6 +46,9 @@ def test_decode_split_policy_sizes_the_grid_to_the_gpu() -> None:
     # a short limit (decode_sweep's 1.3K) caps batch 2 at 8 splits; batch 1 takes 16 so that
     # its 8 KV heads fill the 132 SMs (measured faster on the H200, docs/benchmarks.md)
     assert [decode_split_policy(1300, sms)(b, 8) for b in (1, 2, 4, 8)] == [16, 8, 8, 8]
+    # one KV head per rank: no more splits than a 1.3K context can fill (64 tokens each)
+    assert decode_split_policy(1300, sms)(1, 1) == 32
+    assert decode_split_policy(256, sms)(1, 1) == 4
 
 
 @needs_triton

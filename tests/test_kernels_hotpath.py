@@ -154,40 +154,50 @@ def check_rotary(tokens, heads, kv_heads, head_dim, dtype, device, seed=0, inter
     assert empty[0].shape == (0, heads, head_dim) and empty[1].shape == (0, kv_heads, head_dim)
 
 
-def check_rotary_store(tokens, heads, kv_heads, head_dim, dtype, device, seed=0, page=16):
+def check_rotary_store(tokens, heads, kv_heads, head_dim, dtype, device, seed=0, page=16,
+                       slot_dtype=torch.int64):
     """The rotary kernel that also stores k and v (model.rotary.rotary_into_cache's) equals
     rotary then store_kv bit for bit: the same q, and the same cache (slot -1 rows skipped,
-    every other slot untouched), with and without Qwen3's q/k norm."""
+    every other slot untouched), with and without Qwen3's q/k norm. k is a view of a fused
+    QKV output; v and the v cache have layouts of their own (other strides than k's), so a
+    stride taken for the other tensor's shows."""
     from model.attention import store_kv
     from model.kernels import apply_rotary, qk_norm_rotary
     from model.kernels.rotary import KVStore, qk_norm_rotary_store, rotary_store
     gen = torch.Generator().manual_seed(seed)
     rope = RotaryEmbedding(head_dim, 2048, 1e6, None).to(device)
-    qkv = _rand((tokens, (heads + 2 * kv_heads) * head_dim), dtype, device, gen, 2.0)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    qk = _rand((tokens, (heads + kv_heads) * head_dim), dtype, device, gen, 2.0)
+    q, k = qk.split([heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = (x.view(tokens, -1, head_dim) for x in (q, k))
+    v = _rand((tokens, kv_heads + 1, head_dim + 8), dtype, device, gen)[:, 1:, 4:-4]
     positions = torch.randint(0, 2048, (tokens,), generator=gen).to(device)
     num_blocks = tokens // page + 3
     slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
     slots[::3] = -1
-    slots = slots.to(device)
-    cache = _rand((num_blocks, page, kv_heads, head_dim), dtype, device, gen)
+    slots = slots.to(device=device, dtype=slot_dtype)
+    k_cache0 = _rand((num_blocks, page, kv_heads, head_dim), dtype, device, gen)
+    v_padded = _rand((num_blocks, page, kv_heads, head_dim + 16), dtype, device, gen)
     qw, kw = _rand(head_dim, dtype, device, gen), _rand(head_dim, dtype, device, gen)
-    what = f"T={tokens} H={heads}/{kv_heads} D={head_dim} {dtype}"
+    what = f"T={tokens} H={heads}/{kv_heads} D={head_dim} {dtype} slots {slot_dtype}"
     for norm in (False, True):
         if norm:
             want_q, want_k = qk_norm_rotary(q, k, qw, kw, EPS, rope.cos, rope.sin, positions)
         else:
             want_q, want_k = apply_rotary(q, k, rope.cos, rope.sin, positions)
-        want_kc, want_vc = cache.clone(), cache.clone()
-        store_kv(want_k, v, want_kc, want_vc, slots)
-        k_cache, v_cache = cache.clone(), cache.clone()
+        # the v caches: views of padded rows (clone() of a view would make it contiguous)
+        want_kc, want_vc = k_cache0.clone(), v_padded.clone()[..., :head_dim]
+        store_kv(want_k, v, want_kc, want_vc, slots.long())
+        k_cache, v_cache = k_cache0.clone(), v_padded.clone()[..., :head_dim]
         store = KVStore(v, k_cache, v_cache, slots)
         got_q = (qk_norm_rotary_store(q, k, qw, kw, EPS, rope.cos, rope.sin, positions, store)
                  if norm else rotary_store(q, k, rope.cos, rope.sin, positions, store))
         assert torch.equal(got_q, want_q), f"rotary_store q norm={norm} {what}"
         assert torch.equal(k_cache, want_kc), f"rotary_store k cache norm={norm} {what}"
         assert torch.equal(v_cache, want_vc), f"rotary_store v cache norm={norm} {what}"
+    other = KVStore(v, k_cache0.to(torch.float16 if dtype != torch.float16 else torch.float32),
+                    v_padded[..., :head_dim], slots)
+    with pytest.raises(ValueError):  # one rounding, where rotary then store rounds twice
+        rotary_store(q, k, rope.cos, rope.sin, positions, other)
 
 
 def check_silu(rows, inter, dtype, device, seed=0, interp=False):
@@ -229,7 +239,9 @@ def _cpu_rotary():
 def _cpu_rotary_store():
     for i, dtype in enumerate(CPU_DTYPES):
         check_rotary_store(7, 4, 2, 64, dtype, "cpu", seed=i)
-        check_rotary_store(5, 6, 3, 128, dtype, "cpu", seed=i + 3, page=32)
+        check_rotary_store(5, 6, 3, 128, dtype, "cpu", seed=i + 3, page=32,
+                           slot_dtype=torch.int32)
+        check_rotary_store(4, 8, 1, 64, dtype, "cpu", seed=i + 6, page=1)  # one KV head
 
 
 def _cpu_silu():
@@ -318,7 +330,9 @@ def test_rotary_store_gpu(dtype: torch.dtype) -> None:
     for tokens in (1, 3, 64, 4096):
         check_rotary_store(tokens, 32, 8, 128, dtype, "cuda", seed=tokens)
         check_rotary_store(tokens, 64, 8, 128, dtype, "cuda", seed=tokens, page=32)
-        check_rotary_store(tokens, 16, 2, 64, dtype, "cuda", seed=tokens + 1)
+        check_rotary_store(tokens, 16, 2, 64, dtype, "cuda", seed=tokens + 1,
+                           slot_dtype=torch.int32)
+        check_rotary_store(tokens, 8, 1, 128, dtype, "cuda", seed=tokens + 2)  # one KV head
 
 
 @pytest.mark.gpu

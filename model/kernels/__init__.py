@@ -43,6 +43,9 @@ _LAZY = {
     "fused_add_rms_norm": "norm",
     "apply_rotary": "rotary",
     "qk_norm_rotary": "rotary",
+    "rotary_store": "rotary",
+    "qk_norm_rotary_store": "rotary",
+    "KVStore": "rotary",
     "silu_and_mul": "activation",
     "gemv": "gemv",
 }

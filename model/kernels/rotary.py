@@ -183,6 +183,10 @@ def _check_store(k: torch.Tensor, store: KVStore) -> None:
                          f"[blocks, block_size, {n_k}, {d}]")
     if store.k_cache.stride(-1) != 1 or store.v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must be contiguous")
+    if store.k_cache.dtype != k.dtype or store.v_cache.dtype != store.v.dtype:
+        # rotary then store rounds k to its dtype first: one rounding here would differ
+        raise ValueError(f"cache dtypes {store.k_cache.dtype}, {store.v_cache.dtype} differ "
+                         f"from k, v ({k.dtype}, {store.v.dtype})")
     if store.slot_mapping.shape[0] < t:
         raise ValueError(f"{store.slot_mapping.shape[0]} slots for {t} tokens")
 
