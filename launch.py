@@ -146,6 +146,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             host=args.host, port=args.port, api_key=args.api_key,
             max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
+            eos_token_ids=tuple(engine.options.eos_token_ids),
             log_requests=args.log_requests,
             parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
         # a session of its own: torchrun stops a worker with killpg, and the API process must

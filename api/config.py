@@ -25,6 +25,7 @@ class ApiConfig:
     port: int = 8000
     api_key: str | None = None
     max_model_len: int = 2048  # the engine's context length (prompt + output tokens)
+    eos_token_ids: tuple[int, ...] = ()  # the engine's: a sequence ends on one (not ignore_eos)
     max_num_seqs: int = 256  # the engine's running-request limit
     max_queued_requests: int = 1024  # engine requests beyond max_num_seqs before 503
     chat_template: str | None = None  # file (or inline template) overriding the tokenizer's
@@ -71,6 +72,8 @@ class ApiConfig:
                     argv += ["--api-key-file", self._write_key_file(value)]
             elif isinstance(value, bool):
                 argv += [flag] if value else []
+            elif isinstance(value, tuple):
+                argv += [flag, ",".join(map(str, value))] if value else []
             elif value is not None:
                 argv += [flag, str(value)]
         return argv
@@ -108,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     for name in ("health_timeout_s", "engine_timeout_s", "graceful_timeout_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
+    p.add_argument("--eos-token-ids", default=(),
+                   type=lambda text: tuple(int(t) for t in text.split(",") if t))
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--api-key", default=None, help="prefer --api-key-file or $TAPSERVE_API_KEY")
     p.add_argument("--api-key-file", default=None)

@@ -113,4 +113,7 @@ def install_handlers(app) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body FastAPI could not parse (e.g. invalid UTF-8)
+            return error_response(invalid(f"request body could not be read: {exc.detail}"),
+                                  request.url.path)
         return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)

@@ -115,8 +115,10 @@ class Generation:
     """Applies a group's RequestOutputs; `choices()` lists all choices in index order."""
 
     def __init__(self, tokenizer: TextTokenizer, group: RequestGroup,
-                 prompts: list[tuple[list[int], SamplingParams]], metrics: ApiMetrics | None = None):
+                 prompts: list[tuple[list[int], SamplingParams]], metrics: ApiMetrics | None = None,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
+        self.eos_token_ids = eos_token_ids
         self.prompts: dict[str, PromptState] = {}
         first = 0
         for rid, (ids, params) in zip(group.request_ids, prompts):
@@ -158,12 +160,14 @@ class Generation:
         if choice.finish_reason is not None:
             return None
         ids, p = seq.new_token_ids, state.params
-        # a stop token id ends the text before its own text, unless include_stop_str_in_output
-        # (as vLLM); the token still counts (usage, logprobs). Decided by the token, not by
-        # the finish: a sequence whose last token is scored (LAST_GENERATED) finishes in a
-        # later output. Sampling bans stop tokens before min_tokens, so one is always last.
-        hidden = int(bool(ids) and ids[-1] in p.stop_token_ids and p.num_beams == 1
-                     and not p.include_stop_str_in_output)
+        # a stop token id, or an EOS that ends the sequence, ends the text before its own
+        # text, unless include_stop_str_in_output (as vLLM; an EOS shows text only with
+        # skip_special_tokens off); the token still counts (usage, logprobs). Decided by the
+        # token, not by the finish: a sequence whose last token is scored (LAST_GENERATED)
+        # finishes in a later output. Sampling bans both before min_tokens, so one is last.
+        ends = bool(ids) and (ids[-1] in p.stop_token_ids
+                              or (not p.ignore_eos and ids[-1] in self.eos_token_ids))
+        hidden = int(ends and p.num_beams == 1 and not p.include_stop_str_in_output)
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1

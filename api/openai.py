@@ -71,9 +71,19 @@ def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
 def _params(state: AppState, body: _SamplingFields, max_tokens: int | None, prompt_len: int,
             logprobs: bool, top_logprobs: int) -> Any:
     state.check_n(body.n, "n")
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     max_new = state.max_new_tokens(max_tokens, prompt_len, "max_tokens")
     return state.sampling_params(**body.sampling_kwargs(max_new), logprobs=logprobs,
                                  top_logprobs=top_logprobs)
+
+
+def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len: int) -> int | None:
+    """max_tokens as sent; when absent, OpenAI's default of 16 cut to what the context has
+    room for (as vLLM): only an explicit max_tokens that does not fit is an error."""
+    if "max_tokens" in body.model_fields_set:
+        return body.max_tokens
+    return min(body.max_tokens, state.config.max_model_len - prompt_len)
 
 
 def _envelope(generation: Generation, kind: str, model: str, created: int) -> dict:
@@ -177,15 +187,23 @@ def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
     return state.prompt_ids(text, "messages", add_special_tokens=False)
 
 
+def _model_card(state: AppState) -> dict:
+    return {"id": state.config.served_model_name, "object": "model", "created": 0,
+            "owned_by": "tapserve", "max_model_len": state.config.max_model_len}
+
+
 def build_router() -> APIRouter:
     router = APIRouter()
 
     @router.get("/v1/models")
     async def models(request: Request) -> dict:
+        return {"object": "list", "data": [_model_card(_state(request))]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict:
         state = _state(request)
-        return {"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": 0,
-            "owned_by": "tapserve", "max_model_len": state.config.max_model_len}]}
+        _check_model(state, model_id)
+        return _model_card(state)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -198,8 +216,8 @@ def build_router() -> APIRouter:
         items = []
         for p in prompts:
             ids = state.prompt_ids(p, "prompt", body.add_special_tokens)
-            items.append((ids, _params(state, body, body.max_tokens, len(ids),
-                                       body.logprobs is not None, body.logprobs or 0)))
+            items.append((ids, _params(state, body, _completion_max_tokens(state, body, len(ids)),
+                                       len(ids), body.logprobs is not None, body.logprobs or 0)))
         generation = await state.start(request, "cmpl", items,
                                        [body.custom_output_params] * len(items))
         return await _respond(request, state, generation, body, chat=False)

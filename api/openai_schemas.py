@@ -8,16 +8,29 @@ it: never silently misread.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import invalid
 
 
 class StrictModel(BaseModel):
-    """A request body: no unknown fields, no coercion ("5" is not 5), as OpenAI."""
+    """A request body: no unknown fields, no coercion ("5" is not 5), as OpenAI. A null
+    for a field that takes no None (n, stream, echo, ...) means its default, as the OpenAI
+    spec's nullable fields do (the official client sends `n=None` as `"n": null`); a null
+    for an unknown field (`tools: null`) is dropped too: it asks for nothing. Fields that
+    take None keep it (max_tokens: null fills the context, as vLLM)."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or (k in fields and type(None) in get_args(fields[k].annotation))}
 
 
 class StreamOptions(StrictModel):

@@ -138,7 +138,7 @@ class AppState:
                          add.request_id, request.url.path, len(add.prompt_token_ids),
                          add.sampling_params, add.custom_output_params)
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in prompts))
-        return Generation(self.tokenizer, group, prompts, self.metrics)
+        return Generation(self.tokenizer, group, prompts, self.metrics, self.config.eos_token_ids)
 
     @staticmethod
     async def accepted(request: Request, generation: Generation, watch: bool = True) -> None:

@@ -1,7 +1,12 @@
 """Per-request sampling parameters. Pure Python (no torch): the API process imports it too."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
+
+# a temperature below this samples greedily, as vLLM's (1/T would overflow the logits)
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range for logit_bias values: [-100, 100]
 
 
 @dataclass
@@ -36,17 +41,23 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             "must be a finite number >= 0"),
             ("top_k", self.top_k >= 0, "must be >= 0 (or -1 to disable)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty)
+             and self.repetition_penalty > 0, "must be a finite number > 0"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("n", self.n >= 1, "must be >= 1"),
             ("num_beams", self.num_beams >= 1, "must be >= 1"),
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
+            ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
+            ("logit_bias", all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                               for v in self.logit_bias.values()),
+             f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
         ]
         for name, ok, rule in checks:
             if not ok:
@@ -56,6 +67,8 @@ class SamplingParams:
                              f"{self.min_tokens} > {self.max_new_tokens}")
         if self.num_beams > 1 and self.n > self.num_beams:
             raise ValueError(f"n must be <= num_beams for beam search, got n={self.n}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,10 @@ id's own text stays out of the output unless include_stop_str_in_output (as vLLM
 `continuous_usage_stats` puts the usage in every chunk; a client that gives up (a request
 waiting, a stream, an upload) is a 499 in the metrics, not a 500 nor missing; a request
 larger than the queue is a 605, not a 503; chat logprobs' `bytes` are each token's own
-bytes; JSON types are checked strictly (as OpenAI)."""
+bytes; JSON types are checked strictly (as OpenAI). The 15th session's outside client
+found (tests at the end): a tiny temperature sampling token 0, unchecked logit_bias values,
+null rejected for nullable fields, EOS text shown with skip_special_tokens off, the default
+max_tokens refused where it did not fit, and smaller gaps."""
 from __future__ import annotations
 
 import re
@@ -212,3 +215,84 @@ def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
         assert wait_for(lambda: not os.path.exists(f"/proc/{api}"), 15)
     finally:
         server.stop()
+
+
+# ---- what an outside client found (15th session) -----------------------------------------
+
+def _eos_ids(http) -> list[int]:
+    ids = [http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+           for text in ("<|im_end|>", "<|endoftext|>")]
+    assert all(len(t) == 1 for t in ids), ids  # the demo's two EOS tokens, one id each
+    return [t[0] for t in ids]
+
+
+def test_a_tiny_temperature_is_greedy_and_non_finite_values_are_605(http, model):
+    """1/T overflowed below ~1e-38 and the sampler fell back to token 0: below 1e-5 a
+    temperature samples greedily (as vLLM). Infinite temperatures and penalties, and logit
+    biases outside OpenAI's [-100, 100] (NaN, inf included) are 605s."""
+    greedy = _text(http, model, 6)["choices"][0]["text"]
+    for t in (1e-38, 1e-45, 1e-6):
+        out = _text(http, model, 6, temperature=t, seed=3)
+        assert out["choices"][0]["text"] == greedy, t
+    base = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    for extra in ('"temperature": Infinity', '"temperature": 1e400',
+                  '"repetition_penalty": Infinity', '"logit_bias": {"5": 101}',
+                  '"logit_bias": {"5": -1e400}', '"logit_bias": {"5": NaN}'):
+        raw = '{"model": "%s", "prompt": "hi", "max_tokens": 2, %s}' % (model, extra)
+        _assert_605(http.post("/v1/completions", content=raw,
+                              headers={"content-type": "application/json"}), extra)
+    assert http.post("/v1/completions", json={**base, "logit_bias": {"5": -100}}).status_code == 200
+
+
+def test_null_means_the_default(client, http, model):
+    """The official client sends n=None as "n": null: the default, as OpenAI documents."""
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                    n=None, stream=None, echo=None, presence_penalty=None)
+    assert out.choices[0].text == _text(http, model, 3)["choices"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={
+        "model": model, "messages": USER, "max_tokens": 2, "logprobs": None, "tools": None,
+        "stream": None, "frequency_penalty": None})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1
+    _assert_605(http.post("/v1/completions", json={"model": model, "prompt": PROMPT,
+                                                  "n": "2"}), "a string n is still wrong")
+
+
+def test_eos_text_left_out_unless_asked(http, model):
+    """An EOS that ends a sequence shows no text with skip_special_tokens off, as a stop
+    token id (and as vLLM), unless include_stop_str_in_output."""
+    for eos in _eos_ids(http):
+        for include in (False, True):
+            out = _text(http, model, 4, logit_bias={str(eos): 100}, skip_special_tokens=False,
+                        include_stop_str_in_output=include, ignore_eos=False)
+            choice = out["choices"][0]
+            assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1
+            want = http.post("/detokenize", json={"tokens": [eos], "skip_special_tokens": False}
+                             ).json()["prompt"] if include else ""
+            assert want != "" or not include
+            assert choice["text"] == want, (eos, include, choice["text"])
+
+
+def test_the_default_max_tokens_fits_the_context(http, model):
+    """Without max_tokens, OpenAI's default of 16 is cut to the room the prompt leaves;
+    an explicit max_tokens that does not fit stays a 605."""
+    limit = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    prompt = [5] * (limit - 4)
+    out = http.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                             "temperature": 0, "ignore_eos": True})
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] == 4
+    _assert_605(http.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                                  "max_tokens": 16}), "explicit max_tokens")
+
+
+def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model):
+    _assert_605(http.post("/v1/completions", json={
+        "model": model, "prompt": PROMPT, "max_tokens": 2,
+        "stream_options": {"include_usage": True}}), "stream_options without stream")
+    _assert_605(http.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                          headers={"content-type": "application/json"}), "invalid UTF-8")
+    card = http.get(f"/v1/models/{model}")
+    assert card.status_code == 200 and card.json()["id"] == model
+    assert card.json() == http.get("/v1/models").json()["data"][0]
+    assert http.get("/v1/models/no-such-model").status_code == 404
