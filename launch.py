@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-queued-requests", type=int, default=1024)
     a("--shutdown-timeout", type=float, default=10.0)
     a("--seed", type=int, default=0)
-    a("--chat-template", help="Jinja chat template file (default: the tokenizer's)")
+    a("--chat-template", help="Jinja chat template file, or the template itself "
+                              "(default: the tokenizer's)")
     a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
@@ -166,9 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # `kill -USR1 <pid>`: every thread's Python stack to stderr, to diagnose a hung rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.nproc_per_node and not is_local_rank():
+    if args.chat_template is not None:  # before any rank starts: a mistyped path fails here
+        from api.tokenizer import chat_template_text
+        try:
+            chat_template_text(args.chat_template)
+        except (ValueError, OSError) as e:
+            raise SystemExit(str(e)) from None
+    if args.nproc_per_node is not None and not is_local_rank():
         if args.nproc_per_node < 1 or args.prompt is not None:
             raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")
+        if "RANK" in os.environ:
+            raise SystemExit("--nproc-per-node starts its own ranks: not under torchrun "
+                             "(use torchrun's --nproc-per-node alone)")
         return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *sys.argv[1:]]
                                if argv is None else [os.path.abspath(__file__), *argv])
     config = engine_config(args)

@@ -52,6 +52,9 @@ async def race_disconnect(request: Request, awaitable: Awaitable) -> Any:
     if task in done:
         return task.result()
     task.cancel()
+    # a gather of several jobs may still end with one's exception rather than cancelled:
+    # retrieve it, so asyncio does not log it as never retrieved (the client is gone: a 499)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
     raise ClientGone()
 
 

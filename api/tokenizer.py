@@ -60,10 +60,20 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+def chat_template_text(override: str) -> str:
+    """--chat-template: a file's text, or an inline Jinja template. Anything else (a
+    mistyped path) is a ValueError, not a template that renders the path as the prompt."""
+    path = Path(override)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in override or "{%" in override:
+        return override
+    raise ValueError(f"--chat-template {override!r} is neither a file nor a Jinja template")
+
+
 def _template_source(folder: Path, config: dict, override: str | None) -> str | None:
     if override:
-        path = Path(override)
-        return path.read_text(encoding="utf-8") if path.is_file() else override
+        return chat_template_text(override)
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")

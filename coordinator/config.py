@@ -2,6 +2,7 @@
 builds a rank's model runner and rank 0's engine from it."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -75,6 +76,10 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
     device = device or config.torch_device()
     max_len = min(config.max_model_len or model_cfg.max_position_embeddings,
                   model_cfg.max_position_embeddings)
+    if config.max_model_len and config.max_model_len > max_len and tp.rank == 0:
+        logging.getLogger("tapserve").warning(
+            "--max-model-len %d exceeds the model's max_position_embeddings (%d): capped to %d",
+            config.max_model_len, max_len, max_len)
     runner_cfg = RunnerConfig(
         model_dir=model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
         load_format=config.load_format, block_size=config.block_size,

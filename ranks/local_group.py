@@ -33,6 +33,8 @@ def run_local_group(nproc: int, argv: list[str], grace_s: float = 30.0) -> int:
     group_dir = tempfile.mkdtemp(prefix="tapserve-group-")  # mode 0700
     env = {**os.environ, **LOOPBACK_ENV, "WORLD_SIZE": str(nproc),
            "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: os.path.join(group_dir, "store")}
+    if nproc > 1:  # as torchrun: N ranks of all-core thread pools oversubscribe a CPU host
+        env.setdefault("OMP_NUM_THREADS", "1")
     ranks = [subprocess.Popen([sys.executable, *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(nproc)]

@@ -1,0 +1,53 @@
+"""Launcher flags an outside tester misused (15th session): each is refused at start-up with
+a clear message, before any rank or model loads; and the single-node launcher's ranks run
+one OpenMP thread each, as torchrun's do."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.tokenizer import chat_template_text
+from ranks.local_group import run_local_group
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_chat_template_is_a_file_or_a_template(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert chat_template_text(str(path)) == path.read_text()
+    assert chat_template_text("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        chat_template_text(str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--chat-template", "/nonexistent/t.jinja"], None, "neither a file nor a Jinja template"),
+    (["--nproc-per-node", "0"], None, "--nproc-per-node needs a value >= 1"),
+    (["--nproc-per-node", "2"], {"RANK": "0"}, "not under torchrun"),
+])
+def test_misused_flags_fail_at_once(args, env, message):
+    proc = _launch(*args, env=env)
+    assert proc.returncode != 0 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_local_ranks_run_one_openmp_thread(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = tmp_path / "rank.py"
+    script.write_text("import os, pathlib, sys\n"
+                      "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text("
+                      "os.environ.get('OMP_NUM_THREADS', 'unset'))\n")
+    assert run_local_group(2, [str(script), str(tmp_path)]) == 0
+    assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["1", "1"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a user's own setting stands
+    assert run_local_group(2, [str(script), str(tmp_path)]) == 0
+    assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["3", "3"]
