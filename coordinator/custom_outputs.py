@@ -106,7 +106,7 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
         pos = handler.select_token_position(list(input_ids), params)
     except ValueError as e:
         raise RequestError(INVALID_PARAMS, f"custom output selection: {e}") from None
-    except Exception as e:
+    except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
                                                 f"{type(e).__name__}: {e}") from None
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool) \
@@ -155,7 +155,7 @@ def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputS
     except CustomOutputError:
         stats.errors += 1
         raise
-    except Exception as e:
+    except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         stats.errors += 1
         raise CustomOutputError(f"{type(e).__name__}: {e}") from e
     raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host

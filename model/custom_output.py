@@ -61,6 +61,11 @@ class HandlerLoadError(RuntimeError):
     """The deployment module could not be loaded or failed its start-up checks."""
 
 
+# a request's value travels in every stream chunk and is encoded on the API's event loop:
+# 1 MiB (262,144 float32) bounds what one request can cost the others
+MAX_ROW_BYTES = 1 << 20
+
+
 def check_output(out: object, rows: int) -> torch.Tensor:
     """Enforce the output rules; raise CustomOutputError naming the violation."""
     if not isinstance(out, torch.Tensor):
@@ -71,6 +76,10 @@ def check_output(out: object, rows: int) -> torch.Tensor:
         raise CustomOutputError(f"shape {tuple(out.shape)} must be nonempty [rows] or [rows, width]")
     if out.shape[0] != rows:
         raise CustomOutputError(f"returned {out.shape[0]} rows for {rows} selected tokens")
+    row_bytes = out[0].numel() * out.element_size()
+    if row_bytes > MAX_ROW_BYTES:
+        raise CustomOutputError(f"a row of {row_bytes} bytes is over the {MAX_ROW_BYTES} byte "
+                                f"limit per request ({tuple(out.shape)} {out.dtype})")
     return out
 
 

@@ -167,3 +167,42 @@ def test_module_handler_with_grad_parameters(ckpt, ref) -> None:
     assert r.final("m").error_code is None, r.final("m").error_message
     assert r.value("m").shape == (1, HEAD_WIDTH)
     assert_close(r.value("m"), ref.head(ids, len(ids) - 1))
+
+
+class _ExitingHandler:
+    """Raises what a handler must not bring the server down with (15th session's tester)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def select_token_position(self, input_ids, params):
+        raise self.error
+
+    def forward(self, rows):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+def test_a_handler_exiting_is_606_not_a_stopped_server(error) -> None:
+    from coordinator.custom_outputs import (CustomOutputStats, RequestError, run_handler,
+                                            select_position)
+    from model.custom_output import CustomOutputError
+    handler = _ExitingHandler(error)
+    with pytest.raises(RequestError) as refused:
+        select_position(handler, [1, 2, 3], None, 4)
+    assert refused.value.code == EXECUTION_EXCEPTION
+    assert type(error).__name__ in refused.value.message
+    stats = CustomOutputStats()
+    with pytest.raises(CustomOutputError, match=type(error).__name__):
+        run_handler(handler, torch.zeros(2, 8), stats)
+    assert stats.errors == 1
+
+
+def test_an_output_row_over_the_limit_is_refused() -> None:
+    from model.custom_output import MAX_ROW_BYTES, CustomOutputError, check_output
+    width = MAX_ROW_BYTES // 4
+    assert check_output(torch.zeros(2, width), 2).shape == (2, width)  # at the limit
+    with pytest.raises(CustomOutputError, match="limit"):
+        check_output(torch.zeros(2, width + 1), 2)
+    with pytest.raises(CustomOutputError, match="limit"):
+        check_output(torch.zeros(1, 60_000_000, dtype=torch.float16), 1)
