@@ -12,6 +12,7 @@ import torch
 from api.detokenizer import Decoder
 from coordinator.custom_outputs import build_handler
 from coordinator.engine import Engine, EngineOptions
+from coordinator.keepalive import PlanKeepalive
 from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
 from model.layers import TPGroup
@@ -107,8 +108,11 @@ def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel
         enable_prefix_caching=config.enable_prefix_caching,
         custom_output_reuse=config.custom_output_reuse, seed=config.seed,
         output_workers=config.output_workers, async_scheduling=config.async_scheduling)
+    keepalive = None
+    if channel is not None and handler is not None:
+        keepalive = PlanKeepalive(lambda: channel.send(StepPlan(kind=StepKind.HEARTBEAT)))
     return Engine(runner, options, handler, channel.send if channel else (lambda plan: None),
-                  text_decoder)
+                  text_decoder, keepalive)
 
 
 def start_rank(config: EngineConfig, expected_tp: int | None = None

@@ -8,6 +8,7 @@ coordinator/offline.py drives it for offline use; coordinator/loop.py drives it 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Callable
@@ -26,6 +27,7 @@ from coordinator.outputs import SteadyColumns, put_news_in_columns, request_outp
 from coordinator.planner import PlanRows, Planner
 from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
 from coordinator.engine_tokens import TokenSteps
+from coordinator.keepalive import PlanKeepalive
 from coordinator.sampler import Sampler, to_device
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -61,9 +63,10 @@ class EngineOptions:
 class Engine(TokenSteps):
     def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
                  send_plan: Callable[[StepPlan], None] = lambda plan: None,
-                 text_decoder: Decoder | None = None):
+                 text_decoder: Decoder | None = None, keepalive: PlanKeepalive | None = None):
         """text_decoder: the serving tokenizer, for stop strings of LAST_GENERATED requests
-        (coordinator/stop_strings.py); without it only the API process sees stop strings."""
+        (coordinator/stop_strings.py); without it only the API process sees stop strings.
+        keepalive: with other ranks, heartbeat plans while the handler runs."""
         capacity = runner.num_blocks * runner.cfg.block_size
         if options.max_model_len > capacity:  # one sequence must always fit the KV cache
             log.warning("max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
@@ -72,6 +75,7 @@ class Engine(TokenSteps):
         self.runner, self.options, self.handler = runner, options, handler
         self.text_decoder = text_decoder
         self.send_plan = send_plan
+        self._handler_busy = keepalive.busy if keepalive is not None else nullcontext
         self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
                                    options.enable_prefix_caching)
         self.scheduler = Scheduler(options.scheduler, self.blocks)
@@ -106,8 +110,9 @@ class Engine(TokenSteps):
         if request_id in self.requests:
             raise RequestError(INVALID_PARAMS, f"duplicate request id {request_id!r}")
         validate_prompt(prompt_token_ids, params, self.options, self.blocks)
-        pos = select_position(self.handler, prompt_token_ids, custom_output_params,
-                              params.max_new_tokens)
+        with self._handler_busy():
+            pos = select_position(self.handler, prompt_token_ids, custom_output_params,
+                                  params.max_new_tokens)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
                           custom_position=pos, **self._decode_checks(params, len(prompt_token_ids)))
         if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
@@ -276,7 +281,8 @@ class Engine(TokenSteps):
         """One handler call and one device-to-host copy for the step's rows; each request's
         row is queued (copied) on the output dispatcher, collected by _collect_custom."""
         try:
-            host = run_handler(self.handler, hidden_rows, self.custom_stats)
+            with self._handler_busy():
+                host = run_handler(self.handler, hidden_rows, self.custom_stats)
         except CustomOutputError as e:
             for seq in seqs:
                 self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: {e}")

@@ -20,12 +20,12 @@ import zmq
 from api import wire
 from coordinator.custom_outputs import RequestError
 from coordinator.engine import Engine
+from coordinator.keepalive import HEARTBEAT_SECONDS
 from coordinator.sampling_params import SamplingParams
 from ranks.group import PlanChannel
 from ranks.plan import StepKind, StepPlan
 
 log = logging.getLogger("tapserve.coordinator")
-HEARTBEAT_SECONDS = 1.0
 STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
