@@ -83,7 +83,7 @@ def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len:
     room for (as vLLM): only an explicit max_tokens that does not fit is an error."""
     if "max_tokens" in body.model_fields_set:
         return body.max_tokens
-    return min(body.max_tokens, state.config.max_model_len - prompt_len)
+    return max(1, min(body.max_tokens, state.config.max_model_len - prompt_len))
 
 
 def _envelope(generation: Generation, kind: str, model: str, created: int) -> dict:

@@ -110,7 +110,8 @@ def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel
         output_workers=config.output_workers, async_scheduling=config.async_scheduling)
     keepalive = None
     if channel is not None and handler is not None:
-        keepalive = PlanKeepalive(lambda: channel.send(StepPlan(kind=StepKind.HEARTBEAT)))
+        keepalive = PlanKeepalive(lambda: channel.send(StepPlan(kind=StepKind.HEARTBEAT)),
+                                  lambda: channel.last_sent)
     return Engine(runner, options, handler, channel.send if channel else (lambda plan: None),
                   text_decoder, keepalive)
 

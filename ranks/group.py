@@ -8,6 +8,7 @@ gloo group carries plans, so CPU and GPU share one code path. Both groups time o
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -82,6 +83,7 @@ class PlanChannel:
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
         self.rest = torch.zeros(0, dtype=torch.uint8)
         self._received = self.rest  # the receive buffer, reused; grows by powers of two
+        self.last_sent = time.monotonic()  # when rank 0 last sent a plan (of any kind)
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
 
@@ -100,6 +102,7 @@ class PlanChannel:
         if HEADER_BYTES + n > self.size:  # the remainder: the same buffer's next bytes
             dist.broadcast(body[self.size:HEADER_BYTES + n], src=0, group=self.group)
         self.size = next_size
+        self.last_sent = time.monotonic()
 
     def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
         """The bytes to broadcast for a plan already in its message (PlanMessage), and the
