@@ -160,6 +160,9 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
         return loop.run()
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)
+        if group_dir and launcher is not None and os.getppid() != launcher:
+            # the --nproc-per-node launcher died (SIGKILL) and cannot remove its group dir
+            shutil.rmtree(group_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ranks.local_group import STORE_ENV
 from tests.api_helpers import free_port, wait_healthy
 from tests.checkpoints import make_tiny_checkpoint
 from tests.proc_helpers import descendants
@@ -27,7 +28,7 @@ class TorchrunServer:
     `launch.py --nproc-per-node 2` (ranks/local_group.py)."""
 
     def __init__(self, model: Path, tmp: Path, local: bool = False, shutdown_timeout: int = 2):
-        self.port = free_port()
+        self.port, self.local = free_port(), local
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / "torchrun.log", "w+")
         launcher = (["launch.py", "--nproc-per-node", "2"] if local else
@@ -108,6 +109,10 @@ def test_killed_launcher_takes_the_group_down(server):
     stops the group and the API process, so no orphan keeps serving (or holding the port)."""
     group = descendants(server.proc.pid)
     assert len(group) >= 3, group  # two ranks and the API process
+    store = next((line.split(b"=", 1)[1].decode() for line in
+                  Path(f"/proc/{server.rank_pid(0)}/environ").read_bytes().split(b"\0")
+                  if line.startswith(STORE_ENV.encode() + b"=")), None)
+    assert (store is not None) == server.local
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)
     deadline = time.monotonic() + 30
@@ -117,6 +122,8 @@ def test_killed_launcher_takes_the_group_down(server):
     for pid in alive:  # do not leak them into the rest of the run
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"still running after the launcher died: {alive}"
+    # the local launcher's 0700 group directory: rank 0 removes it in the launcher's stead
+    assert store is None or not Path(store).parent.exists(), store
 
 
 def test_local_group_killed_rank0_leaves_no_ipc_directory(tmp_path):
