@@ -80,10 +80,11 @@ def _params(state: AppState, body: _SamplingFields, max_tokens: int | None, prom
 
 def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len: int) -> int | None:
     """max_tokens as sent; when absent, OpenAI's default of 16 cut to what the context has
-    room for (as vLLM): only an explicit max_tokens that does not fit is an error."""
+    room for (as vLLM): only an explicit max_tokens that does not fit is an error. The room
+    is at least 1: state.prompt_ids refuses a prompt that fills the context."""
     if "max_tokens" in body.model_fields_set:
         return body.max_tokens
-    return max(1, min(body.max_tokens, state.config.max_model_len - prompt_len))
+    return min(body.max_tokens, state.config.max_model_len - prompt_len)
 
 
 def _envelope(generation: Generation, kind: str, model: str, created: int) -> dict:

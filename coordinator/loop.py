@@ -54,7 +54,7 @@ class CoordinatorLoop:
         self.stop_requested_at: float | None = None
         self._drain_announced = False
         self._unsent: deque[bytes] = deque()  # kept in order while the API cannot take them
-        self._last_plan = self._last_stats = time.monotonic()
+        self._last_stats = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -83,7 +83,6 @@ class CoordinatorLoop:
                         return 0
                 if self.engine.has_work():
                     self._send_outputs(self.engine.step())
-                    self._last_plan = time.monotonic()
                 self._tick()
         finally:
             self._stop()
@@ -147,9 +146,8 @@ class CoordinatorLoop:
     # ---- housekeeping ------------------------------------------------------------------------
     def _tick(self) -> None:
         now = time.monotonic()
-        if self.channel is not None and now - self._last_plan >= HEARTBEAT_SECONDS:
+        if self.channel is not None and now - self.channel.last_sent >= HEARTBEAT_SECONDS:
             self.channel.send(StepPlan(kind=StepKind.HEARTBEAT))
-            self._last_plan = now
         if now - self._last_stats >= STATS_SECONDS:
             self._send(wire.encode(self.stats()))
             self._last_stats = now
