@@ -49,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -61,7 +62,7 @@ from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
 from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
-from ranks.plan import encode_plan  # noqa: E402
+from ranks.plan import block_table_dtype, encode_plan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -72,6 +73,7 @@ class DecodingBatch:
 
     def __init__(self, batch: int, context: int, steps: int):
         blocks = batch * (-(-(context + steps) // BLOCK_SIZE) + 1)
+        self.table_dtype = block_table_dtype(blocks)  # as the engine picks it for its pool
         self.scheduler = Scheduler(SchedulerConfig(batch, 1 << 30), BlockManager(blocks, BLOCK_SIZE))
         factory = SequenceFactory()
         for i in range(batch):
@@ -112,7 +114,7 @@ def worker(rank: int, port: int, args, results) -> None:
     sizes = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
         probe = DecodingBatch(args.batch, args.context + args.steps // 2, args.steps)
-        probe_planner = Planner(BLOCK_SIZE, width_step=args.width_step)
+        probe_planner = _planner(args, probe)
         sizes[0] = len(encode_plan(probe_planner.build(probe.scheduler.schedule())[0]))
     dist.broadcast(sizes, src=0)
     nbytes = int(sizes[0])
@@ -127,7 +129,7 @@ def worker(rank: int, port: int, args, results) -> None:
         if name != "bare" and rank == 0:  # each round decodes from the same start
             decoding = DecodingBatch(args.batch, args.context, args.steps)
             # the round's block manager stamps tables anew
-            planner = Planner(BLOCK_SIZE, width_step=args.width_step)
+            planner = _planner(args, decoding)
         steps: dict[str, list[float]] = {"build": [], "send": [], "broadcast": []}
         spent = {"build": 0.0, "send": 0.0, "recv": 0.0, "engine": 0.0}
         dist.barrier()
@@ -201,6 +203,11 @@ def worker(rank: int, port: int, args, results) -> None:
     dist.destroy_process_group()
 
 
+def _planner(args, decoding: DecodingBatch) -> Planner:
+    dtype = np.dtype(np.int32) if args.int32_tables else decoding.table_dtype
+    return Planner(BLOCK_SIZE, width_step=args.width_step, table_dtype=dtype)
+
+
 def _median_plan_step(per_step: dict[str, list[float]]) -> float:
     """The median over a round's steps of build + send."""
     return statistics.median(b + s for b, s in zip(per_step["build"], per_step["send"]))
@@ -239,6 +246,8 @@ def main() -> None:
                    help="send each plan encoded, not from its laid-out message (for comparison)")
     p.add_argument("--no-decode", action="store_true",
                    help="rank 1 receives the bytes but does not decode them (for comparison)")
+    p.add_argument("--int32-tables", action="store_true",
+                   help="block tables in int32 even where uint16 holds the pool (for comparison)")
     args = p.parse_args()
     if args.steps < 2 or args.rounds < 1:
         p.error("--steps must be at least 2 (quantiles) and --rounds at least 1")

@@ -35,7 +35,7 @@ from coordinator.sequence import Request, Sequence, SequenceFactory
 from coordinator.validation import validate_prompt
 from coordinator.stop_strings import truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
-from ranks.plan import StepKind, StepPlan
+from ranks.plan import StepKind, StepPlan, block_table_dtype
 from ranks.runner import ModelRunner, StepOutput
 
 log = logging.getLogger("tapserve.coordinator")
@@ -80,7 +80,8 @@ class Engine(TokenSteps):
                                    options.enable_prefix_caching)
         self.scheduler = Scheduler(options.scheduler, self.blocks)
         self.planner = Planner(runner.cfg.block_size,
-                               -(-options.max_model_len // runner.cfg.block_size))
+                               -(-options.max_model_len // runner.cfg.block_size),
+                               table_dtype=block_table_dtype(runner.num_blocks))
         self.sampler = Sampler(options.seed, runner.device)
         self.beams = BeamSearch()
         self.seqs = SequenceFactory()

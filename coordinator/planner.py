@@ -49,13 +49,14 @@ class Planner:
     whose tables grew, no array made, nothing to encode."""
 
     def __init__(self, block_size: int, max_table_width: int | None = None,
-                 width_step: int = TABLE_WIDTH_STEP):
+                 width_step: int = TABLE_WIDTH_STEP, table_dtype: np.dtype = np.dtype(np.int32)):
         """max_table_width: the most blocks a table may hold (max_model_len / block_size);
         plans that steady steps advance pad their tables to whole multiples of width_step
-        columns, never wider than that (a runner's static block-table buffer)."""
+        columns, never wider than that (a runner's static block-table buffer). table_dtype:
+        the plans' block-table dtype, block_table_dtype(the pool's size)."""
         self.block_size = block_size
         self.max_table_width, self.width_step = max_table_width, width_step
-        self.tables = BlockTableBuffer()
+        self.tables = BlockTableBuffer(table_dtype)
         self._ranges: dict[int, np.ndarray] = {}  # n -> arange(n + 1), shared by decode plans
         self._advanceable: _Advanceable | None = None
 
@@ -176,14 +177,14 @@ _NO_TABLE = -2  # a buffer row's stamp when it holds no whole table (never a tab
 
 
 class BlockTableBuffer:
-    """The batch's block tables as one persistent [rows, width] int32 array, width being the
+    """The batch's block tables as one persistent [rows, width] array, width being the
     longest table of the batch, so that its first rows are the plan's array as they stand (a
     view, no copy). A row is rewritten only when it holds a table of another stamp
     (Sequence.block_table_version: unique across sequences, renewed on every change), so a
     steady decode batch costs a vectorized comparison, not a list-to-array copy per row."""
 
-    def __init__(self) -> None:
-        self._array = np.zeros((0, 0), np.int32)
+    def __init__(self, dtype: np.dtype = np.dtype(np.int32)) -> None:
+        self._array = np.zeros((0, 0), dtype)
         # per row: the stamp of the table it holds, and that table's length
         self._version = self._length = np.zeros(0, np.int64)
 
@@ -246,7 +247,7 @@ class BlockTableBuffer:
         have = self._array.shape[0]
         if rows > have:
             grow = max(rows, 2 * have) - have
-            self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), np.int32)])
+            self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), self._array.dtype)])
             pad = np.full(grow, _NO_TABLE, np.int64)
             self._version = np.concatenate([self._version, pad])
             self._length = np.concatenate([self._length, np.zeros(grow, np.int64)])
@@ -254,7 +255,7 @@ class BlockTableBuffer:
     def _set_width(self, width: int) -> None:
         """Re-lay the buffer at a new width (the longest table grew, or left the batch)."""
         self._version[self._length > width] = _NO_TABLE  # rows cut short must be rewritten
-        resized = np.zeros((self._array.shape[0], width), np.int32)
+        resized = np.zeros((self._array.shape[0], width), self._array.dtype)
         keep = min(width, self._array.shape[1])
         resized[:, :keep] = self._array[:, :keep]
         self._array = resized

@@ -84,7 +84,10 @@ class DecodeGraphs:
         self._load(self.context_lens, plan.context_lens, n)
         self.slot_mapping[n:b].fill_(-1)
         self.context_lens[n:b].fill_(1)
-        self.block_tables[:n, :width].copy_(torch.from_numpy(plan.block_tables), non_blocking=True)
+        # raw to the device, widened there (uint16 tables: block_table_dtype); copy_ across
+        # devices would widen them on the host
+        tables = torch.from_numpy(plan.block_tables).to(self.device, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 

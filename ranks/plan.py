@@ -29,6 +29,15 @@ def _empty(dtype) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
 
 
+def block_table_dtype(num_blocks: int) -> np.dtype:
+    """The dtype plans carry block tables in for a pool of num_blocks blocks: uint16 while
+    every block id fits, else int32. Tables are most of a decode plan (at batch 256 and
+    context 2K, 74 KB of 84 in uint16, 147 KB of 158 in int32), and a plan that fits the
+    socket buffers leaves rank 0's broadcast before rank 1 has posted its receive
+    (docs/benchmarks.md, "Plan broadcast"). Runners widen them to int32 on the device."""
+    return np.dtype(np.uint16 if num_blocks <= 1 << 16 else np.int32)
+
+
 @dataclass
 class StepPlan:
     kind: StepKind
@@ -37,7 +46,8 @@ class StepPlan:
     slot_mapping: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # [T]
     query_start_loc: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B+1]
     context_lens: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B]
-    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # [B, M]
+    # [B, M] block ids, zero-padded: uint16 where the pool allows (block_table_dtype), else int32
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
     # rows to sample from, strictly increasing (the runner takes every row unindexed when
     # there are as many as rows)
     logit_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))

@@ -197,7 +197,7 @@ class ModelRunner:
             slot_mapping=self._tensor(plan.slot_mapping),
             query_start_loc=self._tensor(plan.query_start_loc),
             context_lens=self._tensor(plan.context_lens),
-            block_tables=self._tensor(plan.block_tables),
+            block_tables=self._tensor(plan.block_tables).to(torch.int32),
             is_decode=plan.kind is StepKind.DECODE,
             query_start_loc_host=plan.query_start_loc.tolist(),
             context_lens_host=plan.context_lens.tolist())

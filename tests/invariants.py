@@ -35,7 +35,8 @@ from coordinator.engine import Engine
 from coordinator.planner import PlanRows, _mixed_plan
 from coordinator.scheduler import ScheduledBatch
 from coordinator.sequence import SeqStatus
-from ranks.plan import _ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepKind, StepPlan, decode_plan
+from ranks.plan import (_ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepKind, StepPlan,
+                        block_table_dtype, decode_plan)
 
 
 def block_counts(engine: Engine) -> dict[str, int]:
@@ -127,7 +128,9 @@ def check_plan(batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, block_size
             for b in {s.block_table[p // block_size] for p in range(c - n, c)}:
                 assert blocks.blocks[b].ref_count == 1, f"a row writes into shared block {b}"
     width = max((len(s.block_table) for s in seqs), default=0)
-    tables = np.zeros((len(seqs), width), np.int32)
+    # the pool's table dtype where the pool is known (ranks.plan.block_table_dtype)
+    dtype = plan.block_tables.dtype if blocks is None else block_table_dtype(blocks.num_blocks)
+    tables = np.zeros((len(seqs), width), dtype)
     for i, s in enumerate(seqs):
         tables[i, :len(s.block_table)] = s.block_table
     want, want_rows = _mixed_plan(batch, plan.kind, block_size, tables,

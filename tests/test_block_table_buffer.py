@@ -8,21 +8,23 @@ import random
 from itertools import count
 
 import numpy as np
+import pytest
 
 from coordinator.planner import BlockTableBuffer
 from coordinator.sampling_params import SamplingParams
 from coordinator.sequence import Request, Sequence
 
 
-def expected(seqs: list[Sequence]) -> np.ndarray:
+def expected(seqs: list[Sequence], dtype: np.dtype) -> np.ndarray:
     width = max((len(s.block_table) for s in seqs), default=0)
-    out = np.zeros((len(seqs), width), np.int32)
+    out = np.zeros((len(seqs), width), dtype)
     for i, s in enumerate(seqs):
         out[i, :len(s.block_table)] = s.block_table
     return out
 
 
-def test_buffer_matches_a_plain_rebuild_over_random_batches() -> None:
+@pytest.mark.parametrize("dtype", [np.dtype(np.int32), np.dtype(np.uint16)], ids=str)
+def test_buffer_matches_a_plain_rebuild_over_random_batches(dtype: np.dtype) -> None:
     rng = random.Random(0)
     stamps = count(1)
     pool = []
@@ -31,7 +33,7 @@ def test_buffer_matches_a_plain_rebuild_over_random_batches() -> None:
         seq.block_table = [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
         seq.block_table_version = next(stamps)
         pool.append(seq)
-    buffer = BlockTableBuffer()
+    buffer = BlockTableBuffer(dtype)
     seqs = pool[:20]
     for step in range(400):
         for seq in rng.sample(seqs, k=min(len(seqs), 3)):
@@ -51,8 +53,8 @@ def test_buffer_matches_a_plain_rebuild_over_random_batches() -> None:
             rest = [s for s in pool if s not in seqs]
             seqs = seqs + rng.sample(rest, k=min(2, len(rest)))
         got = gather(buffer, seqs)
-        assert got.flags.c_contiguous
-        np.testing.assert_array_equal(got, expected(seqs), err_msg=f"step {step}")
+        assert got.flags.c_contiguous and got.dtype == dtype
+        np.testing.assert_array_equal(got, expected(seqs, dtype), err_msg=f"step {step}")
 
 
 def gather(buffer: BlockTableBuffer, seqs: list[Sequence]) -> np.ndarray:
@@ -68,6 +70,6 @@ def test_rows_cut_short_by_a_narrower_batch_are_rewritten() -> None:
         seq.block_table, seq.block_table_version = list(range(10 * i, 10 * i + n)), i + 1
         seqs.append(seq)
     buffer = BlockTableBuffer()
-    np.testing.assert_array_equal(gather(buffer, seqs), expected(seqs))
-    np.testing.assert_array_equal(gather(buffer, seqs[:1]), expected(seqs[:1]))
-    np.testing.assert_array_equal(gather(buffer, seqs), expected(seqs))
+    np.testing.assert_array_equal(gather(buffer, seqs), expected(seqs, np.dtype(np.int32)))
+    np.testing.assert_array_equal(gather(buffer, seqs[:1]), expected(seqs[:1], np.dtype(np.int32)))
+    np.testing.assert_array_equal(gather(buffer, seqs), expected(seqs, np.dtype(np.int32)))

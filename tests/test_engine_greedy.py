@@ -127,3 +127,29 @@ def test_outputs_codec_round_trips_the_columns() -> None:
     assert a == full
     assert (b.request_id, b.sequences[0].new_token_ids, b.finished) == ("b", [11], False)
     assert (c.request_id, c.sequences[0].index, c.sequences[0].new_token_ids) == ("c", 0, [12])
+
+
+def test_block_tables_travel_as_uint16_while_the_pool_allows(setup) -> None:
+    """A pool of at most 65,536 blocks: plans carry uint16 tables (ranks.plan.block_table_dtype),
+    and the tokens above matched transformers through them."""
+    _, _, llm, _, prompts, expected = setup
+    with capture_plans(llm) as plans:
+        results = run(llm, prompts[:3], greedy(4))
+    assert {p.block_tables.dtype.name for p in plans} == {"uint16"}
+    assert token_ids(results) == [e[:4] for e in expected[:3]]
+
+
+def test_block_ids_past_uint16_travel_as_int32(tmp_path) -> None:
+    """A pool of more than 65,536 blocks, its allocator made to hand out ids that cross 65,535
+    first: plans carry int32 tables, and the greedy tokens still equal transformers'."""
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    llm = make_llm(path, block_size=8, num_kv_blocks=65_600)  # 4 KB a block: 269 MB in all
+    free = llm.engine.blocks.free
+    for block_id in range(65_500):  # the allocator takes the least recently freed first
+        free.move_to_end(block_id)
+    prompts = random_prompts(LENGTHS, VOCAB, seed=0)
+    with capture_plans(llm) as plans:
+        results = run(llm, prompts, greedy(NEW_TOKENS))
+    assert {p.block_tables.dtype.name for p in plans} == {"int32"}
+    assert max(int(p.block_tables.max()) for p in plans) > 65_535
+    assert token_ids(results) == hf_greedy(hf_model(path), prompts, NEW_TOKENS)

@@ -55,6 +55,11 @@ def _advance(scheduler: Scheduler, batch: ScheduledBatch, rng: random.Random,
         scheduler.note_advanced(batch, tokens)
 
 
+def _planner(**kwargs) -> Planner:
+    """A planner with the table dtype an engine picks for these small pools."""
+    return Planner(BLOCK, table_dtype=np.dtype(np.uint16), **kwargs)
+
+
 def _run(steps: int, seed: int, planner: Planner, finish_every: int = 0) -> int:
     """Decode for `steps` steps, checking every plan; returns how many were advanced in place."""
     rng = random.Random(seed)
@@ -77,7 +82,7 @@ def _run(steps: int, seed: int, planner: Planner, finish_every: int = 0) -> int:
 @pytest.mark.parametrize("width_step", [1, 16])
 def test_steady_plans_equal_the_general_builder_while_tables_widen(width_step):
     """Width step 1: the message widens whenever the longest table grows."""
-    planner = Planner(BLOCK, width_step=width_step)
+    planner = _planner(width_step=width_step)
     advanced = _run(60, seed=0, planner=planner)
     assert advanced >= 50  # all but the prefill and the first decode step, and the rare re-lay
 
@@ -85,16 +90,16 @@ def test_steady_plans_equal_the_general_builder_while_tables_widen(width_step):
 def test_padded_tables_stay_within_the_widest_table_allowed():
     """The longest prompt (38 tokens) and 60 decode steps fill 25 blocks of 4: padding to 32
     columns would pass the limit."""
-    assert _run(60, seed=4, planner=Planner(BLOCK, max_table_width=25)) >= 50
+    assert _run(60, seed=4, planner=_planner(max_table_width=25)) >= 50
 
 
 def test_finishes_break_the_run_and_the_next_plan_is_built_anew():
-    assert _run(80, seed=1, planner=Planner(BLOCK, width_step=1), finish_every=7) >= 40
+    assert _run(80, seed=1, planner=_planner(width_step=1), finish_every=7) >= 40
 
 
 def test_a_message_without_room_to_widen_is_laid_out_anew(monkeypatch):
     monkeypatch.setattr(PlanMessage, "widen", lambda self, width: False)
-    assert _run(40, seed=2, planner=Planner(BLOCK, width_step=1)) >= 10
+    assert _run(40, seed=2, planner=_planner(width_step=1)) >= 10
 
 
 def test_a_table_with_a_spare_block_keeps_its_steps_general():
@@ -102,7 +107,7 @@ def test_a_table_with_a_spare_block_keeps_its_steps_general():
     its tokens (a row then writes into a new block exactly when it grows): a batch where a
     table holds one more is scheduled by the general pass until its tokens fill it."""
     scheduler = _decoding(6, seed=3)
-    planner, rng = Planner(BLOCK), random.Random(3)
+    planner, rng = _planner(), random.Random(3)
     follows = []
     for step in range(24):
         batch = scheduler.schedule()
