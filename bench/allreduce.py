@@ -123,7 +123,7 @@ def main() -> None:
             comm.fused = variant == "fused"
 
             def one_shot(t: torch.Tensor) -> None:
-                if not comm.reduce_in_place(t):
+                if comm.reduce(t) is None:
                     raise RuntimeError(f"{tuple(t.shape)} {t.dtype}: not a one-shot message")
 
             check = check_against_nccl(one_shot, (batch, hidden), rank)

@@ -1,11 +1,14 @@
 """One-shot all-reduce on torch symmetric memory for small tensor-parallel messages.
 
-Opt-in: TAPSERVE_ALLREDUCE=symm or symm_fused (default nccl: every all-reduce is NCCL's).
+TAPSERVE_ALLREDUCE: auto (the default: symm where it applies, else NCCL, silently), symm,
+symm_fused (experimental, below) or nccl (every all-reduce is NCCL's).
 
 Each TP rank owns one buffer from `symm_mem.empty`, mapped into every peer by the collective
 `symm_mem.rendezvous` (CUDA backend: peer memory over NVLink; never multicast, no `multimem_*`
 op). A message of at most `max_bytes` (bf16 or fp32, 16-byte aligned) is copied into this rank's
-buffer and summed by `torch.ops.symm_mem.one_shot_all_reduce_out(input, "sum", group_name, out)`
+buffer (or written there by its producer: a row-parallel linear asks `TPGroup.partial_sums`
+for its output, so at batch 1 the GEMV writes straight into it) and summed by
+`torch.ops.symm_mem.one_shot_all_reduce_out(input, "sum", group_name, out)`
 (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu): the kernel meets the peers on
 the buffer's signal pads, reads every peer's buffer, adds them in rank order (every rank gets
 the same bits) and writes the sum back into the input; a closing barrier lets the next call
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -39,7 +43,7 @@ from model.layers import TPGroup
 log = logging.getLogger("tapserve.allreduce")
 
 ENV = "TAPSERVE_ALLREDUCE"
-MODES = ("nccl", "symm", "symm_fused")
+MODES = ("auto", "nccl", "symm", "symm_fused")
 DTYPES = (torch.bfloat16, torch.float32)  # the one-shot kernel's dtypes (no float16)
 ALIGN = 16  # bytes: size and offset, so local input and symmetric buffer vectorize alike
 DEFAULT_MAX_BYTES = 2 << 20  # the buffer's cap: max_num_seqs x hidden x 2 for hidden 4096
@@ -48,8 +52,9 @@ _STAGED = ("one_shot_all_reduce_out", "input reduce_op group_name out")
 
 
 def mode_from_env() -> str:
-    """The all-reduce switch: TAPSERVE_ALLREDUCE (nccl | symm | symm_fused), nccl when unset."""
-    return os.environ.get(ENV, "nccl").strip().lower() or "nccl"
+    """The all-reduce switch: TAPSERVE_ALLREDUCE (auto | nccl | symm | symm_fused), auto when
+    unset."""
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
 
 
 def _torch_release() -> tuple[int, int]:
@@ -96,19 +101,39 @@ class SymmMemAllReduce:
                 and x.device == self.buffer.device and x.is_contiguous()
                 and x.storage_offset() * x.element_size() % ALIGN == 0)
 
-    def reduce_in_place(self, x: torch.Tensor) -> bool:
-        """Sum x over the group into x and return True; False (x untouched) when x is not
-        eligible, and the caller falls back to NCCL."""
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of this shape over the start of the symmetric buffer, for a producer to
+        write its partial sums into (a row-parallel linear), so that `reduce` reads them
+        where they lie instead of copying them in; None where no such message is eligible,
+        and in the fused variant (its kernel does the copy)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.fused or dtype not in DTYPES or not 0 < nbytes <= self.max_bytes \
+                or nbytes % ALIGN:
+            return None
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of x over the group, or None (x untouched) when x is not eligible, and
+        the caller falls back to NCCL. x from `staging` is summed where it lies, into a new
+        tensor (the kernel's output cannot be its input); any other x is copied into the
+        buffer and the sum written back into x, which is returned."""
+        ops = torch.ops.symm_mem
+        if x.data_ptr() == self.buffer.data_ptr() and self.eligible(x):
+            out = torch.empty_like(x)
+            # the producer's kernel ended before this one starts (same stream, no PDL here),
+            # so its writes are in the buffer before the kernel signals the peers
+            ops.one_shot_all_reduce_out(x.view(-1), "sum", self.group_name, out.view(-1))
+            return out
         if not self.eligible(x):
-            return False
-        flat, ops = x.view(-1), torch.ops.symm_mem
+            return None
+        flat = x.view(-1)
         symm = self.buffer[: flat.numel() * flat.element_size()].view(x.dtype)
         if self.fused:
             ops.one_shot_all_reduce_copy_out(symm, flat, "sum", self.group_name, flat)
         else:
             symm.copy_(flat)
             ops.one_shot_all_reduce_out(symm, "sum", self.group_name, flat)
-        return True
+        return x
 
     def _self_test(self, rank: int, size: int) -> None:
         """Known small-integer sums (exact in bf16), one row and the whole buffer, per dtype."""
@@ -116,7 +141,7 @@ class SymmMemAllReduce:
             for numel in (ALIGN, self.max_bytes // dtype.itemsize):
                 base = torch.arange(numel, device=self.buffer.device) % 13
                 x = (base + rank).to(dtype)
-                if not self.reduce_in_place(x):
+                if self.reduce(x) is None:
                     raise RuntimeError(f"self-test message ({numel} x {dtype}) not eligible")
                 expected = (base * size + size * (size - 1) // 2).to(dtype)
                 if not torch.equal(x, expected):
@@ -181,8 +206,9 @@ class SymmMemAllReduce:
 def with_one_shot_all_reduce(tp: TPGroup, mode: str, device: torch.device, dtype: torch.dtype,
                              message_bytes: int, cap: int = DEFAULT_MAX_BYTES) -> TPGroup:
     """tp, with the one-shot all-reduce for messages up to min(message_bytes, cap) attached
-    when mode is "symm" / "symm_fused" and it sets up on every rank; otherwise tp unchanged.
-    Collective when it tries: call on every rank at start-up, before graph capture."""
+    when mode is "symm" / "symm_fused" / "auto" (= "symm") and it sets up on every rank;
+    otherwise tp unchanged (a warning where an explicit mode does not apply; "auto" says
+    nothing). Collective when it tries: call on every rank at start-up, before graph capture."""
     if mode not in MODES:
         raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "nccl" or tp.size == 1:
@@ -192,8 +218,10 @@ def with_one_shot_all_reduce(tp: TPGroup, mode: str, device: torch.device, dtype
               "the TP group spans hosts (peer memory is per host)"  # same answer on all ranks
               if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) != tp.size else None)
     if reason:
-        log.warning("%s=%s ignored: %s", ENV, mode, reason)
+        if mode != "auto":
+            log.warning("%s=%s ignored: %s", ENV, mode, reason)
         return tp
+    mode = "symm" if mode == "auto" else mode
     group = dist.group.WORLD if tp.group is None else tp.group
     comm = SymmMemAllReduce.create(group, device, min(message_bytes, cap), mode == "symm_fused")
     return tp if comm is None else dataclasses.replace(tp, one_shot=comm)

@@ -21,16 +21,28 @@ from torch import nn
 class TPGroup:
     """This rank's place in the tensor-parallel group (group=None: single process).
     one_shot: the symmetric-memory all-reduce for small messages (model/allreduce.py,
-    TAPSERVE_ALLREDUCE=symm), or None: every all-reduce is dist.all_reduce."""
+    TAPSERVE_ALLREDUCE, on by default within a CUDA host), or None: every all-reduce is
+    dist.all_reduce."""
     rank: int = 0
     size: int = 1
     group: Any = None
     one_shot: Any = field(default=None, compare=False, repr=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1 and (self.one_shot is None or not self.one_shot.reduce_in_place(x)):
+        """The sum of x over the group: x itself, summed in place, unless x came from
+        `partial_sums` (then a new tensor)."""
+        if self.size == 1:
+            return x
+        summed = None if self.one_shot is None else self.one_shot.reduce(x)
+        if summed is None:
             dist.all_reduce(x, group=self.group)
-        return x
+            return x
+        return summed
+
+    def partial_sums(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a producer should write a message that all_reduce will sum next: a tensor
+        over the one-shot all-reduce's buffer (saves copying it in), or None (any tensor)."""
+        return None if self.one_shot is None else self.one_shot.staging(shape, dtype)
 
     def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
         """x as rank 0 has it, on every rank (in place)."""
@@ -149,7 +161,8 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.partial_sums((*x.shape[:-1], self.weight.shape[0]), x.dtype)
+        y = self.tp.all_reduce(linear(x, self.weight, out=out))
         return y if self.bias is None else y + self.bias
 
 
@@ -210,10 +223,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and HAS_TRITON and x.dtype in _KERNEL_DTYPES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on CUDA, one row (batch-1 decode) of a 16-bit model times a weight that
-    gemv_config picks takes the Triton GEMV (model/kernels/gemv.py), which streams those
-    weights faster than cuBLAS's choice for them."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, into `out` when given (contiguous, of the result's shape and dtype); on
+    CUDA, one row (batch-1 decode) of a 16-bit model times a weight that gemv_config picks
+    takes the Triton GEMV (model/kernels/gemv.py), which streams those weights faster than
+    cuBLAS's choice for them and writes into `out` itself."""
     k = x.shape[-1]
     if (use_triton(x) and x.dtype is not torch.float32
             and weight.dtype == x.dtype and weight.is_contiguous()
@@ -221,8 +236,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from model.kernels.gemv import gemv, gemv_config
         config = gemv_config(weight.shape[0], k, x.numel() // k)
         if config is not None:
-            return gemv(x, weight, bias, config)
-    return F.linear(x, weight, bias)
+            return gemv(x, weight, bias, config, out=out)
+    y = F.linear(x, weight, bias)
+    return y if out is None else out.copy_(y)
 
 
 class RMSNorm(nn.Module):

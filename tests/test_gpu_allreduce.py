@@ -6,13 +6,14 @@ it takes, and that the switch off (or on CPU) changes nothing."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from model.allreduce import SymmMemAllReduce, with_one_shot_all_reduce
+from model.allreduce import SymmMemAllReduce, mode_from_env, with_one_shot_all_reduce
 from model.layers import TPGroup
 from tests.checkpoints import make_tiny_checkpoint
 from tests.test_gpu_tp import NVLS_OFF, needs_2_gpus
@@ -35,6 +36,33 @@ def test_eligible_messages():
     assert not comm.eligible(torch.zeros(64, 2, dtype=torch.bfloat16).t())  # not contiguous
     assert not comm.eligible(torch.zeros(76, dtype=torch.bfloat16)[4:])  # offset 8 bytes
     assert comm.eligible(torch.zeros(72, dtype=torch.bfloat16)[8:])
+
+
+def test_staging_is_the_buffer_start_for_one_shot_messages():
+    staged = SymmMemAllReduce(torch.zeros(1024, dtype=torch.uint8), None, "0", fused=False)
+    view = staged.staging((2, 64), torch.bfloat16)
+    assert view.shape == (2, 64) and view.data_ptr() == staged.buffer.data_ptr()
+    assert staged.eligible(view)
+    assert staged.staging((5, 64), torch.float32) is None  # over the buffer
+    assert staged.staging((7,), torch.bfloat16) is None  # not 16-byte sized
+    assert staged.staging((64,), torch.float16) is None
+    assert _comm().staging((2, 64), torch.bfloat16) is None  # fused: its kernel copies
+    tp = TPGroup(rank=0, size=2, group=None, one_shot=staged)
+    assert tp.partial_sums((2, 64), torch.bfloat16).data_ptr() == staged.buffer.data_ptr()
+    assert TPGroup(rank=0, size=2).partial_sums((2, 64), torch.bfloat16) is None
+
+
+def test_auto_is_the_default_and_quiet_where_it_does_not_apply(monkeypatch, caplog):
+    monkeypatch.delenv("TAPSERVE_ALLREDUCE", raising=False)
+    assert mode_from_env() == "auto"
+    tp = TPGroup(rank=0, size=2, group=None)
+    with caplog.at_level(logging.WARNING, logger="tapserve.allreduce"):
+        assert with_one_shot_all_reduce(tp, "auto", torch.device("cpu"), torch.float32, 1) is tp
+        assert with_one_shot_all_reduce(tp, "auto", torch.device("cuda", 0), torch.float16,
+                                        1) is tp
+        assert not caplog.records
+        assert with_one_shot_all_reduce(tp, "symm", torch.device("cpu"), torch.float32, 1) is tp
+        assert "ignored" in caplog.text  # an explicit choice that does not apply is said
 
 
 def test_switch_off_or_cpu_leaves_the_group_alone():
@@ -63,7 +91,12 @@ def test_gpu_one_shot_matches_nccl(tmp_path, variant):
     if not result["available"]:
         pytest.skip(f"torch {result['torch']} has no op for the {variant} variant")
     assert result["set_up"], proc.stderr[-3000:]
-    assert len(result["cases"]) == 24
+    # every case eager and in a graph; the staged variant's one-shot cases also written
+    # straight into the buffer ("direct", TPGroup.partial_sums), summed into a new tensor
+    direct = [c for c in result["cases"] if c["mode"] == "direct"]
+    assert len(result["cases"]) == 24 + len(direct)
+    assert len(direct) == (9 if variant == "staged" else 0)
+    assert all(c["apart"] for c in direct)
     for case in result["cases"]:
         assert case["one_shot"] == case["expected_one_shot"], case
         assert case["close"] and case["same_on_all_ranks"], case

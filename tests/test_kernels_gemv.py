@@ -44,6 +44,10 @@ def check_gemv(rows: int, n: int, k: int, dtype: torch.dtype, device: str, bias:
                                msg=f"gemv rows={rows} n={n} k={k} {dtype} {config}")
     x3 = x.view(rows, 1, k)
     assert gemv(x3, w, b, config).shape == (rows, 1, n)
+    dest = torch.full((rows, 1, n), float("nan"), device=device, dtype=dtype)
+    assert gemv(x3, w, b, config, out=dest) is not None and torch.equal(dest.view(rows, n), out)
+    with pytest.raises(ValueError, match="out"):  # the shape of x3's result, not x's
+        gemv(x, w, b, config, out=dest)
     wide = torch.randn(rows, k + 24, generator=gen).to(device=device, dtype=dtype)
     x_strided = wide[:, 8:8 + k]  # rows k + 24 apart: the kernel's row stride
     torch.testing.assert_close(gemv(x_strided, w, b, config).float(),
@@ -90,6 +94,13 @@ def test_gemv_interpreter_cpu(name: str, cpu_results: dict[str, str]) -> None:
     if OLD_INTERPRETER and name == "shapes":
         pytest.skip("Triton < 3.9 interpreter: no loop bound from a kernel argument")
     assert cpu_results[name] == "", cpu_results[name]
+
+
+def test_linear_into_out_on_cpu() -> None:
+    from model.layers import linear
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    out = torch.full((3, 5), float("nan"))
+    assert linear(x, w, out=out) is out and torch.equal(out, F.linear(x, w))
 
 
 def test_linear_on_cpu_is_torch() -> None:

@@ -113,9 +113,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig = DEFAULT_CONFIG) -> torch.Tensor:
+         config: GemvConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed, plus bias:
-    [..., N] in x's dtype, accumulated in fp32."""
+    [..., N] in x's dtype, accumulated in fp32; written into out when given (contiguous,
+    [..., N], x's dtype)."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -128,7 +129,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"bias {tuple(bias.shape)} is not a contiguous [{n}] vector")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif (out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype or not out.is_contiguous()
+          or out.device != x.device):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"{(*x.shape[:-1], n)} {x.dtype} tensor")
+    else:
+        y = out.view(m, n)
     if m and n:
         block_k = min(config.block_k, triton.next_power_of_2(k))
         _gemv_kernel[(triton.cdiv(n, config.block_n),)](
