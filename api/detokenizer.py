@@ -29,6 +29,7 @@ class Decoder(Protocol):
 class StopChecker:
     stop: list[str] = field(default_factory=list)
     include_stop_str: bool = False
+    matched: str | None = None  # the stop string of the last cut `find` returned
 
     @property
     def hold(self) -> int:
@@ -49,6 +50,7 @@ class StopChecker:
                 best = (pos, len(s))
         if best is None:
             return None
+        self.matched = text[best[0]:best[0] + best[1]]
         return best[0] + best[1] if self.include_stop_str else best[0]
 
 

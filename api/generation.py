@@ -32,6 +32,7 @@ class ChoiceDelta:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as Choice.stop_reason, once finished
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list]] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice; None for an EOS, the
+    # length limit and the rest
+    stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     custom_output: dict | None = None  # the sequence's own value (LAST_GENERATED)
     _encoded: dict[str, Any] = field(default_factory=dict)
@@ -101,13 +105,14 @@ def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
         m = merged.get(d.index)
         if m is None:
             merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids), list(d.logprobs),
-                                          list(d.top_logprobs), d.finish_reason)
+                                          list(d.top_logprobs), d.finish_reason, d.stop_reason)
             continue
         m.text += d.text
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs
         m.top_logprobs += d.top_logprobs
         m.finish_reason = d.finish_reason or m.finish_reason
+        m.stop_reason = d.stop_reason if d.finish_reason else m.stop_reason
     return [merged[i] for i in sorted(merged)]
 
 
@@ -187,9 +192,22 @@ class Generation:
             choice.custom_output = seq.custom_output
             choice.detok.finish()
             choice.finish_reason = "stop" if choice.detok.stopped else seq.finish_reason
-        delta.finish_reason = choice.finish_reason
+        if choice.finish_reason == "stop":
+            choice.stop_reason = self._stop_reason(choice, p)
+        delta.finish_reason, delta.stop_reason = choice.finish_reason, choice.stop_reason
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta
+
+    def _stop_reason(self, choice: Choice, p) -> int | str | None:
+        """What ended a choice that finished with "stop": the stop string that cut its text,
+        else its last token when that is a stop token id and not an EOS the request heeds
+        (vLLM checks the EOS first), else None."""
+        if choice.detok.stopped:
+            return choice.detok.stop.matched
+        last = choice.token_ids[-1] if choice.token_ids else None
+        if last in p.stop_token_ids and (p.ignore_eos or last not in self.eos_token_ids):
+            return last
+        return None
 
     def _finish_rest(self, state: PromptState) -> list[ChoiceDelta]:
         deltas = []

@@ -103,7 +103,8 @@ class _Shape:
         self.offsets: dict[int, int] = {}
 
     def full_choice(self, c: Choice) -> dict:
-        out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason}
+        out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
+                               "stop_reason": c.stop_reason}
         lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.index) \
             if self.want_logprobs else None
         if self.chat:
@@ -125,7 +126,7 @@ class _Shape:
             out["text"] = d.text
         out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.index) \
             if self.want_logprobs else None
-        out["finish_reason"] = d.finish_reason
+        out["finish_reason"], out["stop_reason"] = d.finish_reason, d.stop_reason
         return {**out, **_extra(value)}
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list, index: int) -> dict:

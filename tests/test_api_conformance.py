@@ -296,3 +296,44 @@ def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model)
     assert card.status_code == 200 and card.json()["id"] == model
     assert card.json() == http.get("/v1/models").json()["data"][0]
     assert http.get("/v1/models/no-such-model").status_code == 404
+
+
+def _unique_piece(text: str) -> str:
+    """Two characters, not blank, found once in text and not at its start: a stop string
+    that cuts the text partway."""
+    return next(text[i:i + 2] for i in range(1, len(text) - 1)
+                if text[i:i + 2].strip() and text.count(text[i:i + 2]) == 1)
+
+
+def test_stop_reason_names_what_stopped_the_choice(client, http, model):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice; null for an
+    EOS and for the length limit. In full answers and in the stream's last chunk (completions
+    and chat), read through the official client."""
+    piece = _unique_piece(_text(http, model, 8)["choices"][0]["text"])
+    ids = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+        "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
+        "return_output_ids": True}}).json()["output_ids"]
+    stop_id = next(ids[i] for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    eos = _eos_ids(http)[0]
+    cases = [(["@@", piece], {}, "stop", piece),
+             # rank 0 detects the stop strings of a request scoring its last kept token
+             (["@@", piece], {"custom_output_params": {"position": -2}}, "stop", piece),
+             (None, {"stop_token_ids": [stop_id]}, "stop", stop_id),
+             (None, {}, "length", None),
+             # an EOS that is also a stop token id: the EOS is checked first (as vLLM)
+             (None, {"logit_bias": {str(eos): 100}, "stop_token_ids": [eos], "ignore_eos": False},
+              "stop", None)]
+    for stop, extra, finish, reason in cases:
+        kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stop=stop,
+                      extra_body={"ignore_eos": True, **extra})
+        choice = client.completions.create(**kwargs).choices[0]
+        assert (choice.finish_reason, choice.stop_reason) == (finish, reason), extra
+        last = list(client.completions.create(stream=True, **kwargs))[-1].choices[0]
+        assert (last.finish_reason, last.stop_reason) == (finish, reason), extra
+    chat = dict(model=model, messages=USER, max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True})
+    piece = _unique_piece(client.chat.completions.create(**chat).choices[0].message.content)
+    choice = client.chat.completions.create(stop=[piece], **chat).choices[0]
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", piece)
+    last = list(client.chat.completions.create(stop=[piece], stream=True, **chat))[-1]
+    assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", piece)
