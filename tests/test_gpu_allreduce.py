@@ -65,6 +65,32 @@ def test_auto_is_the_default_and_quiet_where_it_does_not_apply(monkeypatch, capl
         assert "ignored" in caplog.text  # an explicit choice that does not apply is said
 
 
+class _RecordingSum:
+    """A stand-in for SymmMemAllReduce on CPU (symmetric memory needs GPUs): a staging
+    buffer, and a 'sum' over two ranks that doubles its input and records where it lay."""
+
+    def __init__(self) -> None:
+        self.buffer, self.seen = torch.zeros(64, 8), []
+
+    def staging(self, shape, dtype):
+        return self.buffer[:shape[0]].view(shape)
+
+    def reduce(self, x):
+        self.seen.append(x.data_ptr())
+        return x * 2
+
+
+def test_row_parallel_linear_writes_its_partial_sums_where_the_all_reduce_reads():
+    from model.layers import RowParallelLinear
+    one_shot = _RecordingSum()
+    layer = RowParallelLinear(32, 8, TPGroup(rank=0, size=2, group=None, one_shot=one_shot))
+    layer.weight.data = torch.randn(8, 16)
+    x = torch.randn(3, 16)
+    y = layer(x)
+    assert one_shot.seen == [one_shot.buffer.data_ptr()]
+    torch.testing.assert_close(y, 2 * x @ layer.weight.T)
+
+
 def test_switch_off_or_cpu_leaves_the_group_alone():
     tp = TPGroup(rank=0, size=2, group=None)
     assert with_one_shot_all_reduce(tp, "nccl", torch.device("cuda", 0), torch.bfloat16, 1) is tp
@@ -101,6 +127,9 @@ def test_gpu_one_shot_matches_nccl(tmp_path, variant):
         assert case["one_shot"] == case["expected_one_shot"], case
         assert case["close"] and case["same_on_all_ranks"], case
     assert result["chain"] == {"close": True, "same_on_all_ranks": True}
+    if variant == "staged":
+        assert result["row_parallel"] == {"in_buffer": True, "equal": True,
+                                          "same_on_all_ranks": True}
 
 
 @pytest.mark.gpu

@@ -83,6 +83,8 @@ def test_gpu_tp2_bfloat16_batch1_agreement_with_transformers(tmp_path):
                        "max_num_seqs": 16, "max_model_len": 256},
             "requests": [{"prompt": p, "params": params} for p in prompts], "one_at_a_time": True}
     two = run_tp(tmp_path, "bf16", spec, 2, **NVLS_OFF)
+    # the default on two GPUs of one host: o and down write into the one-shot buffer
+    assert two["_allreduce"] == "symm"
     seqs = [p + two[str(i)]["tokens"]["0"] for i, p in enumerate(prompts)]
     assert all(len(s) == len(p) + 48 for s, p in zip(seqs, prompts))
     hf, total, _, _ = _agreement(str(path), prompts, seqs)
