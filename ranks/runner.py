@@ -78,8 +78,9 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        # a step scheduled ahead at TP > 1: its ids, broadcast from rank 0 (StepPlan.ids_from_rank0)
-        self._rank0_ids = torch.zeros(cfg.max_num_seqs, dtype=torch.int64, device=cfg.device)
+        # ranks > 0: where a step scheduled ahead receives its ids from rank 0 (ids_from_rank0)
+        self._rank0_ids = torch.zeros(cfg.max_num_seqs if tp.rank > 0 else 0,
+                                      dtype=torch.int64, device=cfg.device)
         self.graphs: DecodeGraphs | None = None
         if cfg.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs,
@@ -173,10 +174,9 @@ class ModelRunner:
     def _ids_from_rank0(self, n: int, ids: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's ids (ids, on its device) on every rank: one broadcast in the GPU stream,
         so no rank's host waits for them (ranks other than 0 pass None)."""
-        received = self._rank0_ids[:n]
-        if self.tp.rank == 0:
-            received.copy_(ids)
-        return self.tp.broadcast_from_rank0(received)
+        if self.tp.rank == 0:  # the source: sent as it lies
+            return self.tp.broadcast_from_rank0(ids.contiguous())
+        return self.tp.broadcast_from_rank0(self._rank0_ids[:n])
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait, up to timeout seconds, until this rank's GPU has run every step launched so
