@@ -29,6 +29,9 @@ class Decoder(Protocol):
 class StopChecker:
     stop: list[str] = field(default_factory=list)
     include_stop_str: bool = False
+    # as vLLM: stop strings are looked for only once the output has more tokens than this,
+    # in the text new since then (with the overlap a stop string needs)
+    min_tokens: int = 0
     matched: str | None = None  # the stop string of the last cut `find` returned
 
     @property
@@ -85,12 +88,18 @@ class IncrementalDetokenizer:
             if grown:
                 old_len = len(self.text)
                 self.text += grown
-                cut = self.stop.find(self.text, old_len)
-                if cut is not None:
-                    self.text = self.text[:cut]
-                    self.stopped = True
+                self._cut_at_stop(old_len)
             self._ends.append(len(self.text))
         return used
+
+    def _cut_at_stop(self, new_from: int) -> None:
+        """Cut the text at a stop string in what changed since new_from, if any, once past
+        the stop checker's min_tokens."""
+        if self.num_tokens <= self.stop.min_tokens:
+            return
+        cut = self.stop.find(self.text, new_from)
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
 
     @property
     def kept_tokens(self) -> int:
@@ -126,9 +135,7 @@ class IncrementalDetokenizer:
                 old_len = len(self.text)
                 self.text += grown
                 self._ends[-1] = len(self.text)  # the held characters were the last token's
-                cut = self.stop.find(self.text, old_len)
-                if cut is not None:
-                    self.text, self.stopped = self.text[:cut], True
+                self._cut_at_stop(old_len)
 
     def drop_held(self) -> None:
         """The sequence ends on a token whose text is left out (a stop token id): characters

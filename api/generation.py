@@ -124,6 +124,9 @@ class Generation:
                  eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
         self.eos_token_ids = eos_token_ids
+        # the model's own EOS (vLLM's): the tokenizer's, else the first of the engine's
+        own = tokenizer.eos_token_id
+        self.primary_eos = own if own in eos_token_ids or not eos_token_ids else eos_token_ids[0]
         self.prompts: dict[str, PromptState] = {}
         first = 0
         for rid, (ids, params) in zip(group.request_ids, prompts):
@@ -156,7 +159,8 @@ class Generation:
         if seq_index not in state.choices:
             p = state.params
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_ids, p.skip_special_tokens,
-                                           StopChecker(p.stop, p.include_stop_str_in_output))
+                                           StopChecker(p.stop, p.include_stop_str_in_output,
+                                                       p.min_tokens))
             state.choices[seq_index] = Choice(state.first_index + seq_index, state, detok)
         return state.choices[seq_index]
 
@@ -172,7 +176,7 @@ class Generation:
         # finishes in a later output. Sampling bans both before min_tokens, so one is last.
         ends = bool(ids) and (ids[-1] in p.stop_token_ids
                               or (not p.ignore_eos and ids[-1] in self.eos_token_ids))
-        hidden = int(ends and p.num_beams == 1 and not p.include_stop_str_in_output)
+        hidden = int(ends and not p.include_stop_str_in_output)
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1
@@ -199,13 +203,16 @@ class Generation:
         return delta
 
     def _stop_reason(self, choice: Choice, p) -> int | str | None:
-        """What ended a choice that finished with "stop": the stop string that cut its text,
-        else its last token when that is a stop token id and not an EOS the request heeds
-        (vLLM checks the EOS first), else None."""
+        """What ended a choice that finished with "stop", as vLLM says it: the stop string
+        that cut its text; else its last token when that is a stop token id or an EOS other
+        than the tokenizer's own (vLLM makes a generation config's other EOS ids stop token
+        ids); None for the tokenizer's EOS (checked first) and anything else."""
         if choice.detok.stopped:
             return choice.detok.stop.matched
         last = choice.token_ids[-1] if choice.token_ids else None
-        if last in p.stop_token_ids and (p.ignore_eos or last not in self.eos_token_ids):
+        if last is None or (not p.ignore_eos and last == self.primary_eos):
+            return None
+        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
             return last
         return None
 
@@ -268,6 +275,17 @@ class Generation:
         prompt = sum(len(s.prompt_ids) for s in self.prompts.values())
         completion = sum(len(c.token_ids) for c in self.choices())
         cached = sum(s.num_cached_tokens for s in self.prompts.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return _usage(prompt, completion, cached)
+
+    def choice_usage(self, index: int) -> dict:
+        """Client choice `index`'s own usage so far: its prompt's tokens and the tokens it
+        has streamed (vLLM's continuous_usage_stats, per chunk of a choice)."""
+        prompt = self.prompt_of(index)
+        choice = prompt.choices.get(index - prompt.first_index)
+        completion = len(choice.token_ids) if choice else 0
+        return _usage(len(prompt.prompt_ids), completion, prompt.num_cached_tokens)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}

@@ -163,7 +163,8 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
             value = generation.choice_value(d.index, body.custom_output_encoding)
             choice = shape.chunk_choice(d, value)
             if choice is not None:
-                usage = {"usage": generation.usage()} if body.continuous_usage else {}
+                # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed
+                usage = {"usage": generation.choice_usage(d.index)} if body.continuous_usage else {}
                 events.append(sse({**head, "choices": [choice], **_extra(value), **usage}))
         if events:
             yield "".join(events)  # one write for the choices of one output
@@ -175,6 +176,10 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
 # ---- routes ------------------------------------------------------------------------------
 def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
     messages = [m.template_dict() for m in body.messages]
+    if body.continue_final_message and body.add_generation_prompt \
+            and "add_generation_prompt" in body.model_fields_set:  # as vLLM: ambiguous
+        raise invalid("cannot set both continue_final_message and add_generation_prompt",
+                      "add_generation_prompt")
     add_gen = body.add_generation_prompt and not body.continue_final_message
     try:
         text = state.tokenizer.apply_chat_template(messages, add_gen, body.chat_template_kwargs)

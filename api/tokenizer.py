@@ -115,6 +115,11 @@ class TextTokenizer:
                    _template_source(folder, config, chat_template))
 
     @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's own EOS token (its config's eos_token), or None."""
+        return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -1,6 +1,6 @@
 """Beam search with the semantics of Hugging Face transformers' `generate(num_beams=B)`:
-top max(2, 1 + #eos) * B continuations per step, hypotheses finished by EOS (if among the
-top B) or by reaching the length limit, scores = sum of logprobs / generated_len ** length_penalty,
+top max(2, 1 + #eos) * B continuations per step, hypotheses finished by EOS or a stop token
+id (if among the top B) or by reaching the length limit, scores = sum of logprobs / generated_len ** length_penalty,
 and transformers' early-stopping heuristic (early_stopping=False)."""
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ class BeamSearch:
         p = request.params
         state = request.beam_state = request.beam_state or BeamState()
         num_beams, vocab = p.num_beams, logits.shape[-1]
+        # a stop token id ends a hypothesis as an EOS does (an extra EOS id to transformers)
         eos = [] if p.ignore_eos else [t for t in eos_token_ids if t < vocab]
+        eos += [t for t in p.stop_token_ids if t < vocab and t not in eos]
         acc = torch.log_softmax(logits.float(), dim=-1)
         acc += torch.tensor([b.cumulative_logprob for b in beams], device=acc.device)[:, None]
         k = min(max(2, 1 + len(eos)) * num_beams, acc.numel())

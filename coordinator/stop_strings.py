@@ -30,7 +30,7 @@ def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False) -> 
         p = seq.request.params
         detok = seq.stop_detokenizer = IncrementalDetokenizer(
             decoder, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens,
-            StopChecker(p.stop, p.include_stop_str_in_output))
+            StopChecker(p.stop, p.include_stop_str_in_output, p.min_tokens))
     detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:])
     if final:
         detok.finish()

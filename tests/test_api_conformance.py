@@ -8,7 +8,10 @@ larger than the queue is a 605, not a 503; chat logprobs' `bytes` are each token
 bytes; JSON types are checked strictly (as OpenAI). The 15th session's outside client
 found (tests at the end): a tiny temperature sampling token 0, unchecked logit_bias values,
 null rejected for nullable fields, EOS text shown with skip_special_tokens off, the default
-max_tokens refused where it did not fit, and smaller gaps."""
+max_tokens refused where it did not fit, and smaller gaps. The 16th session's: stop strings
+ignoring min_tokens, beams running past stop token ids, continuous usage summing every
+choice, stop_reason (new) for a second EOS id, and continue_final_message with an explicit
+add_generation_prompt."""
 from __future__ import annotations
 
 import re
@@ -106,6 +109,24 @@ def test_continuous_usage_stats_in_every_chunk(http, model):
         chunks = sse_json(sse_events(r))
     assert [("usage" in c and c["usage"] is not None) for c in chunks] == \
         [False] * (len(chunks) - 1) + [True]
+
+
+def test_continuous_usage_is_each_choices_own(http, model):
+    """With n > 1 a chunk's usage counts its own choice's streamed tokens (as vLLM), not
+    every choice's; the closing usage chunk counts them all."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "n": 3,
+            "temperature": 1.0, "seed": 3, "logprobs": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = sse_json(sse_events(r))
+    streamed = {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        streamed[choice["index"]] = streamed.get(choice["index"], 0) + len(
+            choice["logprobs"]["tokens"])
+        assert c["usage"]["completion_tokens"] == streamed[choice["index"]], c
+    assert streamed == {0: 6, 1: 6, 2: 6}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
 
 
 def _requests_total(server, status: str) -> float:
@@ -286,6 +307,41 @@ def test_the_default_max_tokens_fits_the_context(http, model):
                                                   "max_tokens": 16}), "explicit max_tokens")
 
 
+def _early_unique_token(tokens: list[str], text: str) -> int:
+    """The first token after the first whose text is not blank and occurs once in text."""
+    return next(i for i in range(1, len(tokens) - 2)
+                if tokens[i].strip() and text.count(tokens[i]) == 1)
+
+
+def test_min_tokens_holds_back_stop_strings(client, http, model):
+    """As vLLM: a stop string counts only once the output has more than min_tokens tokens
+    (before, a stop string in the first tokens ended the choice short of min_tokens)."""
+    out = _text(http, model, 10, logprobs=0)["choices"][0]
+    i = _early_unique_token(out["logprobs"]["tokens"], out["text"])
+    piece = out["logprobs"]["tokens"][i]
+    assert _text(http, model, 10, stop=[piece])["usage"]["completion_tokens"] == i + 1
+    held = _text(http, model, 10, stop=[piece], min_tokens=i + 1)["choices"][0]
+    assert held["finish_reason"] == "length" and held["text"] == out["text"]
+    chat = dict(model=model, messages=USER, max_tokens=10, temperature=0,
+                extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(logprobs=True, **chat).choices[0]
+    i = _early_unique_token([t.token for t in full.logprobs.content], full.message.content)
+    piece = full.logprobs.content[i].token
+    short = client.chat.completions.create(stop=[piece], **chat)
+    assert short.usage.completion_tokens == i + 1
+    chat["extra_body"]["min_tokens"] = i + 1
+    held = client.chat.completions.create(stop=[piece], **chat).choices[0]
+    assert (held.finish_reason, held.message.content) == ("length", full.message.content)
+
+
+def test_continue_final_message_with_an_explicit_generation_prompt_is_605(http, model):
+    messages = USER + [{"role": "assistant", "content": "Hel"}]
+    body = {"model": model, "messages": messages, "max_tokens": 2, "continue_final_message": True}
+    _assert_605(http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}),
+                "both set")
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model):
     _assert_605(http.post("/v1/completions", json={
         "model": model, "prompt": PROMPT, "max_tokens": 2,
@@ -314,7 +370,7 @@ def test_stop_reason_names_what_stopped_the_choice(client, http, model):
         "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
         "return_output_ids": True}}).json()["output_ids"]
     stop_id = next(ids[i] for i in range(2, len(ids)) if ids[i] not in ids[:i])
-    eos = _eos_ids(http)[0]
+    eos, other_eos = _eos_ids(http)  # the tokenizer's (<|im_end|>), generation_config's other
     cases = [(["@@", piece], {}, "stop", piece),
              # rank 0 detects the stop strings of a request scoring its last kept token
              (["@@", piece], {"custom_output_params": {"position": -2}}, "stop", piece),
@@ -322,7 +378,9 @@ def test_stop_reason_names_what_stopped_the_choice(client, http, model):
              (None, {}, "length", None),
              # an EOS that is also a stop token id: the EOS is checked first (as vLLM)
              (None, {"logit_bias": {str(eos): 100}, "stop_token_ids": [eos], "ignore_eos": False},
-              "stop", None)]
+              "stop", None),
+             # the generation config's other EOS id: a stop token id to vLLM, so named
+             (None, {"logit_bias": {str(other_eos): 100}, "ignore_eos": False}, "stop", other_eos)]
     for stop, extra, finish, reason in cases:
         kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stop=stop,
                       extra_body={"ignore_eos": True, **extra})
@@ -337,3 +395,21 @@ def test_stop_reason_names_what_stopped_the_choice(client, http, model):
     assert (choice.finish_reason, choice.stop_reason) == ("stop", piece)
     last = list(client.chat.completions.create(stop=[piece], stream=True, **chat))[-1]
     assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", piece)
+
+
+def test_beam_search_ends_hypotheses_at_stop_token_ids(http):
+    """A stop token id ends a beam hypothesis as an EOS does, its text left out as for
+    sampling (before, beams ran past it to the length limit)."""
+    config = {"max_new_tokens": 6, "num_beams": 2, "ignore_eos": True, "return_output_ids": True}
+    free = http.post("/generate", json={"prompt": PROMPT, "generate_config": config}).json()
+    beam = free["output_ids"][0]
+    stop = next(t for i, t in enumerate(beam) if i >= 1 and t not in beam[:i])
+    # a negative length penalty ranks short hypotheses first: those ended by the stop id
+    r = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+        **config, "stop_token_ids": [stop], "length_penalty": -2.0}}).json()
+    for ids, text in zip(r["output_ids"], r["response"]):
+        assert stop not in ids[:-1], ids  # nothing after a stop id
+        if ids[-1] == stop:
+            want = http.post("/detokenize", json={"tokens": ids[:-1]}).json()["prompt"]
+            assert text == want, (ids, text)
+    assert any(ids[-1] == stop for ids in r["output_ids"]), (stop, free["output_ids"], r)

@@ -356,6 +356,11 @@ def test_1000_concurrent_streams():
 
 
 def test_metrics_exported(server):
+    # a request through the handler first (under xdist this test may be its server's
+    # first), and the engine's stats reach the API process every so often
+    httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+               json={"prompt": "Hi", "max_tokens": 1}).raise_for_status()
+    assert wait_for(lambda: metric(server, "tapserve_custom_output_calls_total") > 0, 10)
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
     for name in ("tapserve_requests_total", "tapserve_prompt_tokens_total",
                  "tapserve_generation_tokens_total", "tapserve_time_to_first_token_seconds_bucket",
