@@ -1,16 +1,14 @@
-"""What an outside client found (14th session), pinned on a live server (`python launch.py`,
-CPU, demo model; fixtures in tests/api_helpers.py): malformed chat fields are 605s, not
-500s; token ids outside the vocabulary and min_tokens above the limit are 605s; a stop token
-id's own text stays out of the output unless include_stop_str_in_output (as vLLM);
+"""What outside clients found, pinned on a live server (`python launch.py`, CPU, demo model;
+fixtures in tests/api_helpers.py); how a choice ends (stop ids, EOS text, stop_reason,
+min_tokens, beams) is in tests/test_api_stops.py. The 14th session's: malformed chat fields
+are 605s, not 500s; token ids outside the vocabulary and min_tokens above the limit are 605s;
 `continuous_usage_stats` puts the usage in every chunk; a client that gives up (a request
 waiting, a stream, an upload) is a 499 in the metrics, not a 500 nor missing; a request
 larger than the queue is a 605, not a 503; chat logprobs' `bytes` are each token's own
-bytes; JSON types are checked strictly (as OpenAI). The 15th session's outside client
-found (tests at the end): a tiny temperature sampling token 0, unchecked logit_bias values,
-null rejected for nullable fields, EOS text shown with skip_special_tokens off, the default
-max_tokens refused where it did not fit, and smaller gaps. The 16th session's: stop strings
-ignoring min_tokens, beams running past stop token ids, continuous usage summing every
-choice, stop_reason (new) for a second EOS id, and continue_final_message with an explicit
+bytes; JSON types are checked strictly (as OpenAI). The 15th session's: a tiny temperature
+sampling token 0, unchecked logit_bias values, null rejected for nullable fields, the default
+max_tokens refused where it did not fit, and smaller gaps. The 16th session's: continuous
+usage summing every choice, and continue_final_message with an explicit
 add_generation_prompt."""
 from __future__ import annotations
 
@@ -70,29 +68,6 @@ def _text(http, model, max_tokens: int, **extra) -> dict:
                                             "max_tokens": max_tokens, "ignore_eos": True, **extra})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def test_stop_token_id_text_left_out_unless_asked(http, model):
-    ids = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
-        "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
-        "return_output_ids": True}}).json()["output_ids"]
-    stop_at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
-    # the last generated token scored (position -2) finishes the sequence one output later
-    for include, scored in ((False, False), (True, False), (False, True)):
-        extra = {"custom_output_params": {"position": -2}} if scored else {}
-        out = _text(http, model, 8, stop_token_ids=[ids[stop_at]],
-                    include_stop_str_in_output=include, **extra)
-        choice = out["choices"][0]
-        assert choice["finish_reason"] == "stop"
-        assert out["usage"]["completion_tokens"] == stop_at + 1  # the stop token counts
-        kept = _text(http, model, stop_at + 1 if include else stop_at)["choices"][0]["text"]
-        assert choice["text"] == kept, (include, scored)
-        with http.stream("POST", "/v1/completions", json={
-                "model": model, "prompt": PROMPT, "temperature": 0, "max_tokens": 8,
-                "ignore_eos": True, "stream": True, "stop_token_ids": [ids[stop_at]],
-                "include_stop_str_in_output": include, **extra}) as r:
-            chunks = sse_json(sse_events(r))
-        assert "".join(c["choices"][0]["text"] for c in chunks) == kept, (include, scored)
 
 
 def test_continuous_usage_stats_in_every_chunk(http, model):
@@ -279,21 +254,6 @@ def test_null_means_the_default(client, http, model):
                                                   "n": "2"}), "a string n is still wrong")
 
 
-def test_eos_text_left_out_unless_asked(http, model):
-    """An EOS that ends a sequence shows no text with skip_special_tokens off, as a stop
-    token id (and as vLLM), unless include_stop_str_in_output."""
-    for eos in _eos_ids(http):
-        for include in (False, True):
-            out = _text(http, model, 4, logit_bias={str(eos): 100}, skip_special_tokens=False,
-                        include_stop_str_in_output=include, ignore_eos=False)
-            choice = out["choices"][0]
-            assert choice["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 1
-            want = http.post("/detokenize", json={"tokens": [eos], "skip_special_tokens": False}
-                             ).json()["prompt"] if include else ""
-            assert want != "" or not include
-            assert choice["text"] == want, (eos, include, choice["text"])
-
-
 def test_the_default_max_tokens_fits_the_context(http, model):
     """Without max_tokens, OpenAI's default of 16 is cut to the room the prompt leaves;
     an explicit max_tokens that does not fit stays a 605."""
@@ -305,33 +265,6 @@ def test_the_default_max_tokens_fits_the_context(http, model):
     assert out.json()["usage"]["completion_tokens"] == 4
     _assert_605(http.post("/v1/completions", json={"model": model, "prompt": prompt,
                                                   "max_tokens": 16}), "explicit max_tokens")
-
-
-def _early_unique_token(tokens: list[str], text: str) -> int:
-    """The first token after the first whose text is not blank and occurs once in text."""
-    return next(i for i in range(1, len(tokens) - 2)
-                if tokens[i].strip() and text.count(tokens[i]) == 1)
-
-
-def test_min_tokens_holds_back_stop_strings(client, http, model):
-    """As vLLM: a stop string counts only once the output has more than min_tokens tokens
-    (before, a stop string in the first tokens ended the choice short of min_tokens)."""
-    out = _text(http, model, 10, logprobs=0)["choices"][0]
-    i = _early_unique_token(out["logprobs"]["tokens"], out["text"])
-    piece = out["logprobs"]["tokens"][i]
-    assert _text(http, model, 10, stop=[piece])["usage"]["completion_tokens"] == i + 1
-    held = _text(http, model, 10, stop=[piece], min_tokens=i + 1)["choices"][0]
-    assert held["finish_reason"] == "length" and held["text"] == out["text"]
-    chat = dict(model=model, messages=USER, max_tokens=10, temperature=0,
-                extra_body={"ignore_eos": True})
-    full = client.chat.completions.create(logprobs=True, **chat).choices[0]
-    i = _early_unique_token([t.token for t in full.logprobs.content], full.message.content)
-    piece = full.logprobs.content[i].token
-    short = client.chat.completions.create(stop=[piece], **chat)
-    assert short.usage.completion_tokens == i + 1
-    chat["extra_body"]["min_tokens"] = i + 1
-    held = client.chat.completions.create(stop=[piece], **chat).choices[0]
-    assert (held.finish_reason, held.message.content) == ("length", full.message.content)
 
 
 def test_continue_final_message_with_an_explicit_generation_prompt_is_605(http, model):
@@ -353,63 +286,3 @@ def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model)
     assert card.json() == http.get("/v1/models").json()["data"][0]
     assert http.get("/v1/models/no-such-model").status_code == 404
 
-
-def _unique_piece(text: str) -> str:
-    """Two characters, not blank, found once in text and not at its start: a stop string
-    that cuts the text partway."""
-    return next(text[i:i + 2] for i in range(1, len(text) - 1)
-                if text[i:i + 2].strip() and text.count(text[i:i + 2]) == 1)
-
-
-def test_stop_reason_names_what_stopped_the_choice(client, http, model):
-    """vLLM's stop_reason: the stop string or stop token id that ended a choice; null for an
-    EOS and for the length limit. In full answers and in the stream's last chunk (completions
-    and chat), read through the official client."""
-    piece = _unique_piece(_text(http, model, 8)["choices"][0]["text"])
-    ids = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
-        "max_new_tokens": 8, "do_sample": False, "ignore_eos": True,
-        "return_output_ids": True}}).json()["output_ids"]
-    stop_id = next(ids[i] for i in range(2, len(ids)) if ids[i] not in ids[:i])
-    eos, other_eos = _eos_ids(http)  # the tokenizer's (<|im_end|>), generation_config's other
-    cases = [(["@@", piece], {}, "stop", piece),
-             # rank 0 detects the stop strings of a request scoring its last kept token
-             (["@@", piece], {"custom_output_params": {"position": -2}}, "stop", piece),
-             (None, {"stop_token_ids": [stop_id]}, "stop", stop_id),
-             (None, {}, "length", None),
-             # an EOS that is also a stop token id: the EOS is checked first (as vLLM)
-             (None, {"logit_bias": {str(eos): 100}, "stop_token_ids": [eos], "ignore_eos": False},
-              "stop", None),
-             # the generation config's other EOS id: a stop token id to vLLM, so named
-             (None, {"logit_bias": {str(other_eos): 100}, "ignore_eos": False}, "stop", other_eos)]
-    for stop, extra, finish, reason in cases:
-        kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stop=stop,
-                      extra_body={"ignore_eos": True, **extra})
-        choice = client.completions.create(**kwargs).choices[0]
-        assert (choice.finish_reason, choice.stop_reason) == (finish, reason), extra
-        last = list(client.completions.create(stream=True, **kwargs))[-1].choices[0]
-        assert (last.finish_reason, last.stop_reason) == (finish, reason), extra
-    chat = dict(model=model, messages=USER, max_tokens=8, temperature=0,
-                extra_body={"ignore_eos": True})
-    piece = _unique_piece(client.chat.completions.create(**chat).choices[0].message.content)
-    choice = client.chat.completions.create(stop=[piece], **chat).choices[0]
-    assert (choice.finish_reason, choice.stop_reason) == ("stop", piece)
-    last = list(client.chat.completions.create(stop=[piece], stream=True, **chat))[-1]
-    assert (last.choices[0].finish_reason, last.choices[0].stop_reason) == ("stop", piece)
-
-
-def test_beam_search_ends_hypotheses_at_stop_token_ids(http):
-    """A stop token id ends a beam hypothesis as an EOS does, its text left out as for
-    sampling (before, beams ran past it to the length limit)."""
-    config = {"max_new_tokens": 6, "num_beams": 2, "ignore_eos": True, "return_output_ids": True}
-    free = http.post("/generate", json={"prompt": PROMPT, "generate_config": config}).json()
-    beam = free["output_ids"][0]
-    stop = next(t for i, t in enumerate(beam) if i >= 1 and t not in beam[:i])
-    # a negative length penalty ranks short hypotheses first: those ended by the stop id
-    r = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
-        **config, "stop_token_ids": [stop], "length_penalty": -2.0}}).json()
-    for ids, text in zip(r["output_ids"], r["response"]):
-        assert stop not in ids[:-1], ids  # nothing after a stop id
-        if ids[-1] == stop:
-            want = http.post("/detokenize", json={"tokens": ids[:-1]}).json()["prompt"]
-            assert text == want, (ids, text)
-    assert any(ids[-1] == stop for ids in r["output_ids"]), (stop, free["output_ids"], r)
