@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
 from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
-                                 check_output, load_handler_class, module_weights_file)
+                                 check_output, describe, describe_error, load_handler_class,
+                                 module_weights_file)
 from model.loader import safetensors_files
 
 LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
@@ -32,17 +33,24 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
     """Instantiate the deployment's handler (no arguments), give it its weights, and check it
     with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
     cls = load_handler_class(spec)
+    # BaseException throughout: a handler that exits (SystemExit) fails the start-up with
+    # a message and a non-zero status, as any other handler error
     try:
         handler = cls()
-    except Exception as e:
-        raise HandlerLoadError(f"custom handler {cls.__name__}() failed: {e}") from e
+    except BaseException as e:
+        raise HandlerLoadError(f"custom handler {cls.__name__}() failed: {describe_error(e)}") from e
     for method in ("select_token_position", "forward"):
         if not callable(getattr(handler, method, None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} has no method {method}()")
     try:
-        names = list(getattr(handler, "weight_names", lambda: [])() or [])
-    except Exception as e:
-        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: {e}") from e
+        names = getattr(handler, "weight_names", lambda: [])() or []
+    except BaseException as e:
+        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: "
+                               f"{describe_error(e)}") from e
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() must return a list "
+                               f"of tensor names, got {describe(names)[:200]}")
+    names = list(names)
     if names:
         if not callable(getattr(handler, "load_weights", None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} names weights but has no "
@@ -51,15 +59,15 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         tensors = _find_tensors(names, model_dir, beside, device)
         try:
             handler.load_weights(tensors)
-        except Exception as e:
+        except BaseException as e:
             raise HandlerLoadError(f"custom handler {cls.__name__}.load_weights() failed: "
-                                   f"{type(e).__name__}: {e}") from e
+                                   f"{describe_error(e)}") from e
     try:
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         with torch.inference_mode():
             check_output(handler.forward(zero), 1)
-    except Exception as e:
-        raise HandlerLoadError(f"custom handler dry run failed: {type(e).__name__}: {e}") from e
+    except BaseException as e:
+        raise HandlerLoadError(f"custom handler dry run failed: {describe_error(e)}") from e
     return handler
 
 
@@ -105,13 +113,16 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
     try:
         pos = handler.select_token_position(list(input_ids), params)
     except ValueError as e:
-        raise RequestError(INVALID_PARAMS, f"custom output selection: {e}") from None
+        raise RequestError(INVALID_PARAMS, f"custom output selection: "
+                                           f"{describe_error(e, with_type=False)}") from None
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
-                                                f"{type(e).__name__}: {e}") from None
-    if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool) \
-            or not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
-        raise RequestError(INVALID_PARAMS, f"selected position {pos!r} is outside "
+                                                f"{describe_error(e)}") from None
+    if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool):
+        raise RequestError(INVALID_PARAMS, f"the selector returned {type(pos).__name__} "
+                                           f"{describe(pos)[:100]}, not an int position")
+    if not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
+        raise RequestError(INVALID_PARAMS, f"selected position {int(pos)} is outside "
                                            f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)")
     if pos == LAST_GENERATED and max_new_tokens == 0:
         raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) generates no token "
@@ -157,7 +168,7 @@ def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputS
         raise
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         stats.errors += 1
-        raise CustomOutputError(f"{type(e).__name__}: {e}") from e
+        raise CustomOutputError(describe_error(e)) from e
     raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
     return HostRows(ALLOWED_DTYPES[host.dtype], raw.numpy())
 

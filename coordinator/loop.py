@@ -29,6 +29,7 @@ log = logging.getLogger("tapserve.coordinator")
 STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
+REPEAT_SIGNAL_SECONDS = 1.0  # a signal this long after the first ends the drain at once
 
 
 @dataclass
@@ -52,6 +53,7 @@ class CoordinatorLoop:
         self.outgoing = self.zmq.socket(zmq.PUSH)
         self.outgoing.bind(f"ipc://{settings.ipc_dir}/from_engine")
         self.stop_requested_at: float | None = None
+        self._stop_now = False  # a second signal: the drain ends at the next check
         self._drain_announced = False
         self._unsent: deque[bytes] = deque()  # kept in order while the API cannot take them
         self._last_stats = time.monotonic()
@@ -61,9 +63,16 @@ class CoordinatorLoop:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
         if self.stop_requested_at is None:
-            log.info("signal %s: draining for up to %.0f s", signum, self.settings.shutdown_timeout)
-            self.stop_requested_at = time.monotonic()  # the loop announces it (not re-entrant here)
+            log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
+                     self.settings.shutdown_timeout)
+            self.stop_requested_at = now  # the loop announces it (not re-entrant here)
+        elif now - self.stop_requested_at >= REPEAT_SIGNAL_SECONDS and not self._stop_now:
+            # a second Ctrl-C (as uvicorn and vLLM): the drain ends at once. One Ctrl-C may
+            # arrive twice (from the terminal and forwarded by the launcher): hence the gap
+            log.info("signal %s again: stopping now", signum)
+            self._stop_now = True
 
     def run(self) -> int:
         """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""
@@ -171,7 +180,8 @@ class CoordinatorLoop:
     def _drained(self) -> bool:
         if not self.engine.requests and not self.engine.has_work():  # no step in flight
             return True
-        if time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout:
+        if not self._stop_now \
+                and time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout:
             return False
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id, error=(SHUTTING_DOWN, "server shut down before "

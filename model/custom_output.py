@@ -83,6 +83,23 @@ def check_output(out: object, rows: int) -> torch.Tensor:
     return out
 
 
+def describe_error(e: BaseException, with_type: bool = True) -> str:
+    """'Type: message' (or the message alone) for an exception a handler raised, even one
+    whose str() raises."""
+    try:
+        return f"{type(e).__name__}: {e}" if with_type else str(e)
+    except BaseException:  # noqa: BLE001 - the handler's object, not ours
+        return f"{type(e).__name__} (its message could not be formatted)"
+
+
+def describe(value: object) -> str:
+    """repr(value) for a value a handler returned, even one whose repr() raises."""
+    try:
+        return repr(value)
+    except BaseException:  # noqa: BLE001
+        return f"<{type(value).__name__} (its repr() raised)>"
+
+
 def load_handler_class(spec: str) -> type:
     """`path/to/file.py[:Class]` or `package.module:Class`. Without a class name the module
     must define exactly one handler-looking class."""
@@ -95,15 +112,14 @@ def load_handler_class(spec: str) -> type:
         module = importlib.util.module_from_spec(mod_spec)
         try:
             mod_spec.loader.exec_module(module)
-        except Exception as e:
-            raise HandlerLoadError(f"cannot load custom module {path}: "
-                                   f"{type(e).__name__}: {e}") from e
+        except BaseException as e:  # sys.exit() at import too: the module's, a load error
+            raise HandlerLoadError(f"cannot load custom module {path}: {describe_error(e)}") from e
     else:
         try:
             module = importlib.import_module(target)
-        except Exception as e:  # ImportError, or the module raised while importing
+        except BaseException as e:  # ImportError, or the module raised (or exited) importing
             raise HandlerLoadError(f"cannot import custom module {target!r}: "
-                                   f"{type(e).__name__}: {e}") from e
+                                   f"{describe_error(e)}") from e
     if class_name:
         if not hasattr(module, class_name):
             raise HandlerLoadError(f"{target} has no class {class_name!r}")

@@ -91,6 +91,16 @@ def assert_close(actual: torch.Tensor | None, expected: torch.Tensor) -> None:
 
 
 # ---- handlers --------------------------------------------------------------------------------
+
+class Unprintable(Exception):
+    """What a careless handler may hand back: str() and repr() both raise."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this object fails")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr() of this object fails")
+
 class ProbeHead(CustomOutputHandler):
     """Linear head [rows, 3] float32 on test_head.*, with switches the tests flip on the
     engine's instance (`llm.engine.handler`):
@@ -102,13 +112,16 @@ class ProbeHead(CustomOutputHandler):
     - `outputs`: every tensor forward returned.
 
     Selection: params {"position": p} (returned unchecked: the engine range-checks),
-    {"raise": "value"} -> ValueError, {"raise": "runtime"} -> RuntimeError, {"none": true} -> -1;
-    default the last prompt token.
+    {"raise": "value"} -> ValueError, {"raise": "runtime"} -> RuntimeError, {"raise":
+    "unprintable"} -> an exception whose str() raises, {"unprintable": true} -> returns an
+    object whose repr() raises, {"none": true} -> -1; default the last prompt token.
+    `fail_unprintable`: the failing forward calls raise an exception whose str() raises.
     """
 
     def __init__(self) -> None:
         self.calls: list[int] = []
         self.fail_calls: set[int] = set()
+        self.fail_unprintable = False
         self.mode = "ok"
         self.out_dtype = torch.float32
         self.outputs: list[torch.Tensor] = []
@@ -120,6 +133,10 @@ class ProbeHead(CustomOutputHandler):
             raise ValueError("position spec is not valid")
         if params.get("raise") == "runtime":
             raise RuntimeError("selector crashed")
+        if params.get("raise") == "unprintable":
+            raise Unprintable()
+        if params.get("unprintable"):
+            return Unprintable()
         if params.get("none"):
             return -1
         return params.get("position", len(input_ids) - 1)
@@ -133,7 +150,7 @@ class ProbeHead(CustomOutputHandler):
     def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:
         self.calls.append(selected_hidden_states.shape[0])
         if len(self.calls) - 1 in self.fail_calls:
-            raise RuntimeError("injected head failure")
+            raise Unprintable() if self.fail_unprintable else RuntimeError("injected head failure")
         out = linear_head(selected_hidden_states, self.weight, self.bias)
         if self.mode == "float64":
             out = out.double()

@@ -57,6 +57,36 @@ def test_other_selector_exception_is_606(llm) -> None:
     assert r.final("fine").error_code is None and r.value("fine") is not None
 
 
+def test_handler_objects_that_cannot_be_printed_fail_only_their_requests(llm) -> None:
+    """An exception whose str() raises, or a returned object whose repr() raises, once
+    ended the server while its error message was written (16th session's tester): now the
+    request fails alone, the others are served."""
+    handler = llm.engine.handler
+    r = run(llm, [("raises", prompt(10, 40), greedy(), {"raise": "unprintable"}),
+                  ("returns", prompt(10, 41), greedy(), {"unprintable": True}),
+                  ("fine", prompt(10, 42), greedy(), None)])
+    assert_refused(r, "raises", EXECUTION_EXCEPTION, llm)
+    assert "Unprintable (its message could not be formatted)" in r.errors["raises"].message
+    assert_refused(r, "returns", INVALID_PARAMS, llm)
+    assert "returned Unprintable" in r.errors["returns"].message
+    assert r.final("fine").error_code is None and r.value("fine") is not None
+    handler.fail_calls, handler.fail_unprintable = {len(handler.calls)}, True
+    try:
+        r = run(llm, [("head", prompt(10, 43), greedy(), None)])
+    finally:
+        handler.fail_calls, handler.fail_unprintable = set(), False
+    assert r.final("head").error_code == EXECUTION_EXCEPTION
+    assert "Unprintable" in r.final("head").error_message
+    r = run(llm, [("after", prompt(10, 44), greedy(), None)])
+    assert r.final("after").error_code is None and r.value("after") is not None
+
+
+def test_a_selector_returning_a_non_integer_says_so(llm) -> None:
+    r = run(llm, [("str", prompt(10, 45), greedy(), {"position": "3"})])
+    assert_refused(r, "str", INVALID_PARAMS, llm)
+    assert "returned str '3', not an int position" in r.errors["str"].message
+
+
 def test_params_without_module_and_scoring_rules_are_605(llm, plain_llm) -> None:
     ids = prompt(10, 40)
     r = run(plain_llm, [("params", ids, greedy(), {"position": 1}),
@@ -133,6 +163,31 @@ def test_startup_checks_on_module_files(ckpt, tmp_path) -> None:
     two.write_text(no_loader.read_text() + "\n\nclass Other(Head):\n    pass\n")
     with pytest.raises(HandlerLoadError, match="name the handler class"):
         make_llm(ckpt, custom_module=str(two))
+
+
+HEAD = ("class Head:\n"
+        "    def select_token_position(self, ids, params):\n        return 0\n"
+        "    def forward(self, h):\n        return h[:, 0].float()\n")
+
+
+@pytest.mark.parametrize("source, match", [
+    ("import sys\nsys.exit(0)\n" + HEAD, "cannot load custom module.*SystemExit"),
+    (HEAD.replace("return h[:, 0].float()", "raise SystemExit(0)"), "dry run failed.*SystemExit"),
+    (HEAD + "    def weight_names(self):\n        return 'head.weight'\n",
+     "weight_names\\(\\) must return a list of tensor names, got 'head.weight'"),
+    (HEAD + "    def weight_names(self):\n        return ['scale']\n"
+     "    def load_weights(self, t):\n        raise SystemExit(7)\n",
+     "load_weights\\(\\) failed: SystemExit: 7"),
+], ids=["exit-at-import", "exit-in-dry-run", "weight-names-a-string", "exit-in-load-weights"])
+def test_a_handler_exiting_at_start_up_is_a_load_error(ckpt, tmp_path, source, match) -> None:
+    """SystemExit at import, in the dry run or in load_weights: a HandlerLoadError with a
+    message (the server then exits non-zero), not a silent exit with status 0."""
+    from safetensors.torch import save_file
+    module = tmp_path / "exiting_head.py"
+    module.write_text(source)
+    save_file({"scale": torch.ones(64)}, str(tmp_path / "exiting_head.safetensors"))
+    with pytest.raises(HandlerLoadError, match=match):
+        make_llm(ckpt, custom_module=str(module))
 
 
 def test_package_module_reads_weights_beside_its_file(ckpt, ref, tmp_path, monkeypatch) -> None:
