@@ -43,14 +43,15 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         if not callable(getattr(handler, method, None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} has no method {method}()")
     try:
-        names = getattr(handler, "weight_names", lambda: [])() or []
+        returned = getattr(handler, "weight_names", lambda: [])() or []
+        # any iterable of names (a list, a tuple, a generator), but not one string
+        names = None if isinstance(returned, (str, bytes)) else list(returned)
     except BaseException as e:
         raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: "
                                f"{describe_error(e)}") from e
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+    if names is None or not all(isinstance(n, str) for n in names):
         raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() must return a list "
-                               f"of tensor names, got {describe(names)[:200]}")
-    names = list(names)
+                               f"of tensor names, got {describe(returned)[:200]}")
     if names:
         if not callable(getattr(handler, "load_weights", None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} names weights but has no "
