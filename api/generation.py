@@ -124,9 +124,9 @@ class Generation:
                  eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
         self.eos_token_ids = eos_token_ids
-        # the model's own EOS (vLLM's): the tokenizer's, else the first of the engine's
-        own = tokenizer.eos_token_id
-        self.primary_eos = own if own in eos_token_ids or not eos_token_ids else eos_token_ids[0]
+        # the model's own EOS as vLLM takes it, the tokenizer's (None without one): the only
+        # EOS without a stop_reason; vLLM makes the generation config's others stop ids
+        self.primary_eos = tokenizer.eos_token_id
         self.prompts: dict[str, PromptState] = {}
         first = 0
         for rid, (ids, params) in zip(group.request_ids, prompts):

@@ -39,6 +39,8 @@ class BeamSearch:
         eos = [] if p.ignore_eos else [t for t in eos_token_ids if t < vocab]
         eos += [t for t in p.stop_token_ids if t < vocab and t not in eos]
         acc = torch.log_softmax(logits.float(), dim=-1)
+        if eos and beams[0].num_output_tokens < p.min_tokens:  # transformers' min_new_tokens
+            acc[:, eos] = float("-inf")
         acc += torch.tensor([b.cumulative_logprob for b in beams], device=acc.device)[:, None]
         k = min(max(2, 1 + len(eos)) * num_beams, acc.numel())
         top_scores, top_idx = acc.flatten().topk(k)

@@ -34,9 +34,12 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
     with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
     cls = load_handler_class(spec)
     # BaseException throughout: a handler that exits (SystemExit) fails the start-up with
-    # a message and a non-zero status, as any other handler error
+    # a message and a non-zero status, as any other handler error; but a KeyboardInterrupt
+    # is the operator's Ctrl-C (no signal handler is installed yet) and goes on up
     try:
         handler = cls()
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise HandlerLoadError(f"custom handler {cls.__name__}() failed: {describe_error(e)}") from e
     for method in ("select_token_position", "forward"):
@@ -46,6 +49,8 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         returned = getattr(handler, "weight_names", lambda: [])() or []
         # any iterable of names (a list, a tuple, a generator), but not one string
         names = None if isinstance(returned, (str, bytes)) else list(returned)
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: "
                                f"{describe_error(e)}") from e
@@ -60,6 +65,8 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         tensors = _find_tensors(names, model_dir, beside, device)
         try:
             handler.load_weights(tensors)
+        except KeyboardInterrupt:
+            raise
         except BaseException as e:
             raise HandlerLoadError(f"custom handler {cls.__name__}.load_weights() failed: "
                                    f"{describe_error(e)}") from e
@@ -67,6 +74,8 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         with torch.inference_mode():
             check_output(handler.forward(zero), 1)
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise HandlerLoadError(f"custom handler dry run failed: {describe_error(e)}") from e
     return handler

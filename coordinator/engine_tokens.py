@@ -165,20 +165,23 @@ class TokenSteps:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         watch = seq.request.watch_stop_strings
-        if watch and self._cut_by_stop_string(seq):
-            return
         reason = self._stop_reason(seq, token)
-        if reason and watch and self._cut_by_stop_string(seq, final=True):
+        # a stop id or EOS ending the sequence: the API leaves its text out (and drops the
+        # characters held for completion), so stop strings are looked for without it here too
+        left_out = int(reason == "stop" and not seq.request.params.include_stop_str_in_output)
+        if watch and self._cut_by_stop_string(seq, left_out=left_out):
+            return
+        if reason and watch and not left_out and self._cut_by_stop_string(seq, final=True):
             return  # a stop string in the characters held until the end
         if reason:
             self._finish_seq(seq, reason)
 
-    def _cut_by_stop_string(self, seq: Sequence, final: bool = False) -> bool:
+    def _cut_by_stop_string(self, seq: Sequence, final: bool = False, left_out: int = 0) -> bool:
         """A stop string matched: finish "stop"; the last kept token is scored in the next
         step (none kept: no value). The tokens after it are dropped only once this step's
         output carried them, so the API process sees the same tokens and cuts its text at
         the same place."""
-        kept = kept_output_tokens(seq, self.text_decoder, final)
+        kept = kept_output_tokens(seq, self.text_decoder, final, left_out)
         if kept is None:
             return False
         if kept:

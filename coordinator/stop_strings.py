@@ -21,17 +21,20 @@ def watches_stop_strings(request: Request, decoder: Decoder | None) -> bool:
             and request.custom_position == LAST_GENERATED)
 
 
-def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False) -> int | None:
+def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False,
+                       left_out: int = 0) -> int | None:
     """Feed seq's new output tokens to its detokenizer; once a stop string matched, the number
     of output tokens to keep, else None. final: the sequence ends here (length, EOS), so the
-    characters held for completion are flushed and checked too, as the API does."""
+    characters held for completion are flushed and checked too, as the API does. left_out: the
+    last tokens whose text the API leaves out (a stop id or EOS ending the sequence), not fed."""
     detok = seq.stop_detokenizer
     if detok is None:  # first call, or a fresh fork: start from all of its output so far
         p = seq.request.params
         detok = seq.stop_detokenizer = IncrementalDetokenizer(
             decoder, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens,
             StopChecker(p.stop, p.include_stop_str_in_output, p.min_tokens))
-    detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:])
+    end = len(seq.token_ids) - left_out
+    detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:end])
     if final:
         detok.finish()
     if not detok.stopped:

@@ -112,11 +112,15 @@ def load_handler_class(spec: str) -> type:
         module = importlib.util.module_from_spec(mod_spec)
         try:
             mod_spec.loader.exec_module(module)
+        except KeyboardInterrupt:  # the operator's Ctrl-C during start-up, not the module's
+            raise
         except BaseException as e:  # sys.exit() at import too: the module's, a load error
             raise HandlerLoadError(f"cannot load custom module {path}: {describe_error(e)}") from e
     else:
         try:
             module = importlib.import_module(target)
+        except KeyboardInterrupt:
+            raise
         except BaseException as e:  # ImportError, or the module raised (or exited) importing
             raise HandlerLoadError(f"cannot import custom module {target!r}: "
                                    f"{describe_error(e)}") from e

@@ -138,3 +138,27 @@ def test_beam_search_ends_hypotheses_at_stop_token_ids(http):
             want = http.post("/detokenize", json={"tokens": ids[:-1]}).json()["prompt"]
             assert text == want, (ids, text)
     assert any(ids[-1] == stop for ids in r["output_ids"]), (stop, free["output_ids"], r)
+
+
+def test_rank0_cuts_where_the_api_does_when_a_stop_id_ends_the_text(http, model):
+    """LAST_GENERATED with stop strings: rank 0 looks for them itself. A stop string that
+    would span into a stop token id's text is not in the API's text (that text is left out),
+    so neither may rank 0 cut there: the choice ends at the stop id, and the value scores the
+    same token as without the stop string."""
+    out = _text(http, model, 10, logprobs=0)["choices"][0]
+    tokens = out["logprobs"]["tokens"]
+    ids = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+        "max_new_tokens": 10, "do_sample": False, "ignore_eos": True,
+        "return_output_ids": True}}).json()["output_ids"]
+    j = next(j for j in range(2, 9) if ids[j] not in ids[:j] and tokens[j - 1] and tokens[j]
+             and tokens[j - 1][-1] + tokens[j][0] not in "".join(tokens[:j]))
+    span = tokens[j - 1][-1] + tokens[j][0]
+    scored = {"custom_output_params": {"position": -2}}
+    plain = _text(http, model, 10, stop_token_ids=[ids[j]], **scored)
+    spanning = _text(http, model, 10, stop_token_ids=[ids[j]], stop=[span], **scored)
+    for body in (plain, spanning):
+        choice = body["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", ids[j]), body
+        assert body["usage"]["completion_tokens"] == j + 1
+    assert spanning["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spanning["extra_outputs"] == plain["extra_outputs"]

@@ -119,3 +119,29 @@ def test_length_penalty(setup) -> None:
     llm = make_llm(path)
     r = run(llm, [prompts[1]], beam_params(length_penalty=0.5))[0]
     assert_beams_match(r, hf_beams(model, prompts[1], NEW, length_penalty=0.5))
+
+
+@torch.no_grad()
+def test_stop_token_ids_and_min_tokens_match_transformers(setup) -> None:
+    """A stop token id ends a hypothesis as transformers' extra eos_token_id does, and not
+    before min_tokens (transformers' min_new_tokens): the same beams and scores. The stop
+    id is a token the unstopped best beam takes second, so it would end it at 2 tokens."""
+    path, model, prompts, expected = setup
+    llm = make_llm(path)
+    for prompt, (seqs, _) in zip(prompts[1:], expected[1:]):
+        stop = seqs[0][1]
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                             num_beams=BEAMS, num_return_sequences=BEAMS, length_penalty=1.0,
+                             early_stopping=False, eos_token_id=[stop], pad_token_id=stop,
+                             min_new_tokens=4, output_scores=True, return_dict_in_generate=True)
+        want = []
+        for row in out.sequences:
+            new = row[len(prompt):].tolist()
+            want.append(new[:new.index(stop) + 1] if stop in new else new)
+        (result,) = run(llm, [prompt], beam_params(stop_token_ids=[stop], min_tokens=4))
+        got = [o.token_ids for o in result.outputs]
+        assert got == want, (stop, got, want)
+        assert all(len(g) >= 4 for g in got)
+        torch.testing.assert_close(torch.tensor([o.cumulative_logprob for o in result.outputs],
+                                                dtype=torch.float64),
+                                   out.sequences_scores.double(), atol=1e-4, rtol=0)
