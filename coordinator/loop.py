@@ -29,7 +29,7 @@ log = logging.getLogger("tapserve.coordinator")
 STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
-REPEAT_SIGNAL_SECONDS = 1.0  # a signal this long after the first ends the drain at once
+REPEAT_SIGNAL_SECONDS = 1.0  # under a launcher: a signal this long after the first ends the drain
 
 
 @dataclass
@@ -68,11 +68,15 @@ class CoordinatorLoop:
             log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
                      self.settings.shutdown_timeout)
             self.stop_requested_at = now  # the loop announces it (not re-entrant here)
-        elif now - self.stop_requested_at >= REPEAT_SIGNAL_SECONDS and not self._stop_now:
-            # a second Ctrl-C (as uvicorn and vLLM): the drain ends at once. One Ctrl-C may
-            # arrive twice (from the terminal and forwarded by the launcher): hence the gap
+        elif now - self.stop_requested_at >= self._repeat_gap() and not self._stop_now:
             log.info("signal %s again: stopping now", signum)
             self._stop_now = True
+
+    def _repeat_gap(self) -> float:
+        """How long after the first signal a second one ends the drain at once (a second
+        Ctrl-C, as uvicorn and vLLM). Under a launcher one Ctrl-C may arrive twice (from the
+        terminal and forwarded by the launcher): only a later one counts there."""
+        return REPEAT_SIGNAL_SECONDS if self.settings.launcher_pid is not None else 0.0
 
     def run(self) -> int:
         """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""

@@ -234,3 +234,28 @@ def test_dead_rank_ends_streams_with_an_error_event(tmp_path):
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "torchrun"])
+def test_one_ctrl_c_to_the_whole_group_drains(tmp_path, local):
+    """A terminal's Ctrl-C reaches the launcher's process group: under `launch.py
+    --nproc-per-node` rank 0 may get it from the terminal and again forwarded by the launcher
+    (Python often merges the two). That is one Ctrl-C, not two: the drain goes on (a second
+    signal would end it at once), so a stream in flight finishes whole."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path, local=local, shutdown_timeout=60)
+    try:
+        body = {"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 300, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.killpg(server.proc.pid, signal.SIGINT)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", server.tail()
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 300, server.tail()
+        assert "again: stopping now" not in server.tail()
+        server.wait_exit(60)
+    finally:
+        if server.proc.poll() is None:
+            os.killpg(server.proc.pid, signal.SIGKILL)
