@@ -3,6 +3,10 @@
 Goal: at most 1.5x the bare broadcast.
 
     python bench/plan_broadcast.py [--batch 256] [--context 2048] [--steps 200] [--rounds 5]
+                                   [--int32-tables]
+
+Block tables travel in the dtype the engine picks for the bench's pool (uint16 up to 65,536
+blocks: ranks.plan.block_table_dtype); --int32-tables sends them as int32 for comparison.
 
 The batch is the engine's: the real Scheduler and BlockManager schedule it (prompts of
 context - i % 16 tokens, so that one sequence in 16 takes a new block at each step), and
