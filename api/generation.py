@@ -174,9 +174,8 @@ class Generation:
         # skip_special_tokens off); the token still counts (usage, logprobs). Decided by the
         # token, not by the finish: a sequence whose last token is scored (LAST_GENERATED)
         # finishes in a later output. Sampling bans both before min_tokens, so one is last.
-        ends = bool(ids) and (ids[-1] in p.stop_token_ids
-                              or (not p.ignore_eos and ids[-1] in self.eos_token_ids))
-        hidden = int(ends and not p.include_stop_str_in_output)
+        hidden = int(bool(ids) and self._ends_choice(ids[-1], p)
+                     and not p.include_stop_str_in_output)
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1
@@ -202,7 +201,7 @@ class Generation:
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta
 
-    def _stop_reason(self, choice: Choice, p) -> int | str | None:
+    def _stop_reason(self, choice: Choice, p: SamplingParams) -> int | str | None:
         """What ended a choice that finished with "stop", as vLLM says it: the stop string
         that cut its text; else its last token when that is a stop token id or an EOS other
         than the tokenizer's own (vLLM makes a generation config's other EOS ids stop token
@@ -212,9 +211,11 @@ class Generation:
         last = choice.token_ids[-1] if choice.token_ids else None
         if last is None or (not p.ignore_eos and last == self.primary_eos):
             return None
-        if last in p.stop_token_ids or (not p.ignore_eos and last in self.eos_token_ids):
-            return last
-        return None
+        return last if self._ends_choice(last, p) else None
+
+    def _ends_choice(self, token: int, p: SamplingParams) -> bool:
+        """token is a stop token id, or an EOS the request heeds: it ends its choice."""
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def _finish_rest(self, state: PromptState) -> list[ChoiceDelta]:
         deltas = []

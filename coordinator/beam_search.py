@@ -1,7 +1,8 @@
 """Beam search with the semantics of Hugging Face transformers' `generate(num_beams=B)`:
 top max(2, 1 + #eos) * B continuations per step, hypotheses finished by EOS or a stop token
-id (if among the top B) or by reaching the length limit, scores = sum of logprobs / generated_len ** length_penalty,
-and transformers' early-stopping heuristic (early_stopping=False)."""
+id (if among the top B; neither before min_tokens) or by reaching the length limit, scores =
+sum of logprobs / generated_len ** length_penalty, and transformers' early-stopping heuristic
+(early_stopping=False)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
 from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
                                  check_output, describe, describe_error, load_handler_class,
-                                 module_weights_file)
+                                 module_weights_file, startup_step)
 from model.loader import safetensors_files
 
 LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
@@ -33,27 +33,15 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
     """Instantiate the deployment's handler (no arguments), give it its weights, and check it
     with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
     cls = load_handler_class(spec)
-    # BaseException throughout: a handler that exits (SystemExit) fails the start-up with
-    # a message and a non-zero status, as any other handler error; but a KeyboardInterrupt
-    # is the operator's Ctrl-C (no signal handler is installed yet) and goes on up
-    try:
+    with startup_step(f"custom handler {cls.__name__}() failed"):
         handler = cls()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        raise HandlerLoadError(f"custom handler {cls.__name__}() failed: {describe_error(e)}") from e
     for method in ("select_token_position", "forward"):
         if not callable(getattr(handler, method, None)):
             raise HandlerLoadError(f"custom handler {cls.__name__} has no method {method}()")
-    try:
+    with startup_step(f"custom handler {cls.__name__}.weight_names() failed"):
         returned = getattr(handler, "weight_names", lambda: [])() or []
         # any iterable of names (a list, a tuple, a generator), but not one string
         names = None if isinstance(returned, (str, bytes)) else list(returned)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() failed: "
-                               f"{describe_error(e)}") from e
     if names is None or not all(isinstance(n, str) for n in names):
         raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() must return a list "
                                f"of tensor names, got {describe(returned)[:200]}")
@@ -63,21 +51,11 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
                                    f"method load_weights()")
         beside = module_weights_file(spec) or _weights_beside_class(cls)
         tensors = _find_tensors(names, model_dir, beside, device)
-        try:
+        with startup_step(f"custom handler {cls.__name__}.load_weights() failed"):
             handler.load_weights(tensors)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:
-            raise HandlerLoadError(f"custom handler {cls.__name__}.load_weights() failed: "
-                                   f"{describe_error(e)}") from e
-    try:
+    with startup_step("custom handler dry run failed"), torch.inference_mode():
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
-        with torch.inference_mode():
-            check_output(handler.forward(zero), 1)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        raise HandlerLoadError(f"custom handler dry run failed: {describe_error(e)}") from e
+        check_output(handler.forward(zero), 1)
     return handler
 
 

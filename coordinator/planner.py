@@ -247,7 +247,8 @@ class BlockTableBuffer:
         have = self._array.shape[0]
         if rows > have:
             grow = max(rows, 2 * have) - have
-            self._array = np.vstack([self._array, np.zeros((grow, self._array.shape[1]), self._array.dtype)])
+            more = np.zeros((grow, self._array.shape[1]), self._array.dtype)
+            self._array = np.vstack([self._array, more])
             pad = np.full(grow, _NO_TABLE, np.int64)
             self._version = np.concatenate([self._version, pad])
             self._length = np.concatenate([self._length, np.zeros(grow, np.int64)])

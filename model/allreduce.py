@@ -94,10 +94,13 @@ class SymmMemAllReduce:
         """The TAPSERVE_ALLREDUCE value this communicator implements."""
         return "symm_fused" if self.fused else "symm"
 
+    def _fits(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """A message of this size and dtype is one the one-shot kernel takes."""
+        return dtype in DTYPES and 0 < nbytes <= self.max_bytes and nbytes % ALIGN == 0
+
     def eligible(self, x: torch.Tensor) -> bool:
         """Same answer on every rank for the same shape and dtype (no data-dependent test)."""
-        nbytes = x.numel() * x.element_size()
-        return (x.dtype in DTYPES and 0 < nbytes <= self.max_bytes and nbytes % ALIGN == 0
+        return (self._fits(x.numel() * x.element_size(), x.dtype)
                 and x.device == self.buffer.device and x.is_contiguous()
                 and x.storage_offset() * x.element_size() % ALIGN == 0)
 
@@ -107,8 +110,7 @@ class SymmMemAllReduce:
         where they lie instead of copying them in; None where no such message is eligible,
         and in the fused variant (its kernel does the copy)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.fused or dtype not in DTYPES or not 0 < nbytes <= self.max_bytes \
-                or nbytes % ALIGN:
+        if self.fused or not self._fits(nbytes, dtype):
             return None
         return self.buffer[:nbytes].view(dtype).view(shape)
 

@@ -11,6 +11,8 @@ import abc
 import importlib
 import importlib.util
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -100,6 +102,21 @@ def describe(value: object) -> str:
         return f"<{type(value).__name__} (its repr() raised)>"
 
 
+@contextmanager
+def startup_step(what: str) -> Iterator[None]:
+    """Run a start-up call into the deployment's code (import, constructor, weight_names,
+    load_weights, the dry run): whatever it raises, SystemExit included, becomes a
+    HandlerLoadError "<what>: <Type>: <message>", so the server exits non-zero with the
+    message. A KeyboardInterrupt is the operator's Ctrl-C (no signal handler is installed
+    yet) and goes on up."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        raise HandlerLoadError(f"{what}: {describe_error(e)}") from e
+
+
 def load_handler_class(spec: str) -> type:
     """`path/to/file.py[:Class]` or `package.module:Class`. Without a class name the module
     must define exactly one handler-looking class."""
@@ -110,20 +127,11 @@ def load_handler_class(spec: str) -> type:
             raise HandlerLoadError(f"custom module file not found: {path}")
         mod_spec = importlib.util.spec_from_file_location(f"tapserve_custom_{path.stem}", path)
         module = importlib.util.module_from_spec(mod_spec)
-        try:
+        with startup_step(f"cannot load custom module {path}"):
             mod_spec.loader.exec_module(module)
-        except KeyboardInterrupt:  # the operator's Ctrl-C during start-up, not the module's
-            raise
-        except BaseException as e:  # sys.exit() at import too: the module's, a load error
-            raise HandlerLoadError(f"cannot load custom module {path}: {describe_error(e)}") from e
     else:
-        try:
+        with startup_step(f"cannot import custom module {target!r}"):  # ImportError too
             module = importlib.import_module(target)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # ImportError, or the module raised (or exited) importing
-            raise HandlerLoadError(f"cannot import custom module {target!r}: "
-                                   f"{describe_error(e)}") from e
     if class_name:
         if not hasattr(module, class_name):
             raise HandlerLoadError(f"{target} has no class {class_name!r}")

@@ -45,6 +45,12 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict:
             "same_on_all_ranks": all(torch.equal(p, parts[0]) for p in parts)}
 
 
+def combined(rows: list[dict]) -> dict:
+    """One case's trials as one row: every flag must hold in all; the largest difference."""
+    return {k: all(r[k] for r in rows) if k != "max_abs_diff" else max(r[k] for r in rows)
+            for k in rows[0]}
+
+
 def eager_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: int) -> dict:
     x = random(numel, dtype, seed, rank)
     ref, out = x.clone(), x.clone()
@@ -68,8 +74,7 @@ def graph_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: int
         graph.replay()
         dist.all_reduce(x)
         rows.append(compare(static, x))
-    return {k: all(r[k] for r in rows) if k != "max_abs_diff" else max(r[k] for r in rows)
-            for k in rows[0]}
+    return combined(rows)
 
 
 def direct_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: int) -> dict:
@@ -91,9 +96,9 @@ def direct_case(tp: TPGroup, dtype: torch.dtype, numel: int, seed: int, rank: in
         staged.copy_(x)
         graph.replay()
         dist.all_reduce(x)
-        rows.append({**compare(static_out, x), "apart": static_out.data_ptr() != staged.data_ptr()})
-    return {k: all(r[k] for r in rows) if k != "max_abs_diff" else max(r[k] for r in rows)
-            for k in rows[0]}
+        apart = static_out.data_ptr() != staged.data_ptr()
+        rows.append({**compare(static_out, x), "apart": apart})
+    return combined(rows)
 
 
 def row_parallel_case(tp: TPGroup, rank: int) -> dict:
