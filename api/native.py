@@ -279,9 +279,9 @@ def build_router() -> APIRouter:
         if body.messages is not None:
             text = _messages_text(state, body.messages, body.add_generation_prompt,
                                   body.chat_template_kwargs)
-            ids = state.tokenizer.encode(text, add_special_tokens=False)
+            ids = state.encode(text, "messages", add_special_tokens=False)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len,
                 "token_strs": [state.tokenizer.token_str(t) for t in ids]}
 

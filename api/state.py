@@ -21,7 +21,7 @@ from api.engine_client import EngineClient, EngineError
 from api.errors import ApiError, invalid, sse_error_event
 from api.generation import Generation
 from api.metrics import ApiMetrics
-from api.tokenizer import TextTokenizer
+from api.tokenizer import TextTokenizer, UnencodableTextError
 from coordinator.sampling_params import SamplingParams
 
 log = logging.getLogger("tapserve.api")
@@ -84,11 +84,18 @@ class AppState:
             raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"
                                 " retry later")
 
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """text's token ids; a 605 naming param for text that is not valid Unicode."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except UnencodableTextError as e:
+            raise invalid(str(e), param) from None
+
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt",
                    add_special_tokens: bool = True) -> list[int]:
         """Tokenize (or check) one prompt: nonempty, known token ids, shorter than the context."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self.encode(prompt, param, add_special_tokens)
         else:
             ids = list(prompt)
             vocab = self.tokenizer.vocab_size

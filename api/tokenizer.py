@@ -44,6 +44,19 @@ class ChatTemplateError(ValueError):
     """The chat template is missing or failed to render (a 400 for the client)."""
 
 
+class UnencodableTextError(ValueError):
+    """Text that is not valid Unicode: a lone UTF-16 surrogate, which a JSON escape such as
+    "\\ud800" lets into a Python string (a 400 for the client)."""
+
+
+def _check_unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnencodableTextError(f"the text is not valid Unicode: a lone surrogate "
+                                   f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+
+
 def _token_text(entry: Any) -> str | None:
     if isinstance(entry, dict):
         return entry.get("content")
@@ -124,7 +137,12 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """text's token ids; UnencodableTextError for text that is not valid Unicode."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # what `tokenizers` raises for a lone surrogate
+            _check_unicode(text)
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

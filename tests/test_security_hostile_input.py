@@ -188,3 +188,42 @@ def test_hostile_bodies(server):
     r = httpx.post(server.url + "/v1/completions", headers=h, timeout=TIMEOUT,
                    json={"model": "tapserve-demo", "prompt": "fine", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_lone_surrogates_are_605_where_text_is_tokenized(server):
+    """A lone surrogate (the JSON escape "\\ud800") in text the server tokenizes is a 605
+    (naming the field on the OpenAI API), on every endpoint, streamed or not; in a /custom_output batch only
+    its own prompt fails. (`tokenizers` raised a TypeError: a plain-text HTTP 500.)"""
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bad_message = b'[{"role": "user", "content": "hi \\udfff"}]'
+    cases = [
+        ("/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "abc\\udfff"], "max_tokens": 2, "stream": true}',
+         "prompt"),
+        ("/v1/chat/completions", b'{"messages": ' + bad_message + b', "max_tokens": 2}',
+         "messages"),
+        ("/generate", b'{"prompt": "\\ud800abc", "generate_config": {"max_new_tokens": 2}}',
+         "prompt"),
+        ("/generate", b'{"prompt": "abc\\udfff", "stream": true}', "prompt"),
+        ("/generate", b'{"messages": ' + bad_message + b'}', "messages"),
+        ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/tokenize", b'{"messages": ' + bad_message + b'}', "messages"),
+    ]
+    with httpx.Client(base_url=server.url, headers=h, timeout=TIMEOUT) as c:
+        for path, raw, param in cases:
+            r = c.post(path, content=raw)
+            assert r.status_code == 400, (path, raw, r.status_code, r.text)
+            body = r.json()
+            if path.startswith("/v1/"):
+                assert body["error"]["param"] == param, body
+                body = body["error"]
+            else:
+                assert body["error_code"] == 605, body
+            assert "lone surrogate" in body["message"], (path, body)
+        r = c.post("/custom_output", content=b'{"prompts": ["abc\\ud800", "fine"]}')
+        assert r.status_code == 200, r.text
+        bad, good = r.json()["outputs"]
+        assert bad["error_code"] == 605 and "lone surrogate" in bad["message"], bad
+        assert "custom_output" in good and good["input_len"] > 0, good
+        r = c.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00 fine", "max_tokens": 2}')
+        assert r.status_code == 200, r.text  # a surrogate pair is a character, not an error
