@@ -26,6 +26,25 @@ def to_device(values, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that mixes every bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, sample: int, position: int) -> int:
+    """The generator seed of one sample's draw at one output position of a seeded request.
+    Seeds equal modulo 2**64 are one seed (as torch.Generator.manual_seed takes them); any
+    two others give unrelated streams. (Python's hash() folded integers modulo 2**61 - 1
+    and hashes -1 as -2, so such seeds drew identical tokens.)"""
+    return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ sample) ^ position)
+
+
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
@@ -71,7 +90,7 @@ class Sampler:
         keys = [(r, r.seed_key + k) for r in rows for k in range(r.num_samples)]
         if len(expand) != len(rows):
             logits = logits[torch.tensor(expand, device=logits.device)]
-        seeds = {i: hash((r.params.seed, key, r.num_output_tokens)) & (2**63 - 1)
+        seeds = {i: draw_seed(r.params.seed, key, r.num_output_tokens)
                  for i, (r, key) in enumerate(keys) if r.params.seed is not None}
         chosen = self._choose(logits, [r.params for r, _ in keys], seeds)
         flat_ids = chosen.tolist()  # the step's one host sync

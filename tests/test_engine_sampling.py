@@ -65,6 +65,18 @@ def test_seeded_sampling_really_samples(llm, prompts) -> None:
     assert token_ids(run(llm, [prompts[2]], greedy(NEW)))[0] not in outs
 
 
+def test_seeds_that_python_hashes_alike_draw_differently(llm, prompts) -> None:
+    """Python's hash() takes integers modulo 2**61 - 1 and hashes -1 as -2: seeds the API
+    accepts ([-2**63, 2**64)) drew identical tokens. Seeds equal modulo 2**64 stay one seed,
+    as torch.Generator.manual_seed takes them."""
+    m61 = 2**61 - 1
+    seeds = [-1, -2, 0, m61, 12345, 12345 + m61, 2**64 - 1]
+    outs = [tuple(o) for o in token_ids(run(llm, [prompts[2]] * len(seeds),
+            [sampled(seed=s, temperature=1.0, top_k=0, top_p=1.0) for s in seeds]))]
+    assert outs[0] != outs[1] and outs[2] != outs[3] and outs[4] != outs[5]
+    assert outs[6] == outs[0]  # 2**64 - 1 is -1 modulo 2**64
+
+
 def test_seeded_n_samples_reproduce(llm, prompts) -> None:
     """n = 4 seeded samples: each sample is reproducible, and they differ from each other."""
     params = sampled(n=4, temperature=1.0)
