@@ -133,7 +133,8 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
     def template_dict(self) -> dict:
-        """The message as the chat template sees it (text parts joined)."""
+        """The message as the chat template sees it: text parts joined by newlines, as vLLM
+        joins them."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -148,7 +149,7 @@ class ChatMessage(StrictModel):
                     where = ".".join(str(p) for p in problem.get("loc", ()))
                     raise invalid(f"invalid text content part: {where}: {problem.get('msg')}",
                                   "messages") from None
-            content = "".join(texts)
+            content = "\n".join(texts)
         out = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name

@@ -21,9 +21,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
 
+# the named special tokens transformers passes to chat templates (those the tokenizer sets)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 # what the server passes to every chat template: chat_template_kwargs may not replace them
-_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token",
-                                        "eos_token", "self"})
+_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "self",
+                                        *SPECIAL_TOKEN_NAMES})
 
 
 def _char_to_byte() -> dict[str, int]:
@@ -102,8 +105,10 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict, chat_template: str | None):
         self.tokenizer = tokenizer
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if (text := _token_text(config.get(name))) is not None}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -179,8 +184,8 @@ class TextTokenizer:
         try:
             if self._template is None:
                 self._template = self._env.from_string(self.chat_template)
+            # as transformers: the special tokens the tokenizer sets, the others undefined
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   **template_kwargs)
+                                         **self.special_tokens, **template_kwargs)
         except (TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None

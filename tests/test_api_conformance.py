@@ -9,7 +9,7 @@ bytes; JSON types are checked strictly (as OpenAI). The 15th session's: a tiny t
 sampling token 0, unchecked logit_bias values, null rejected for nullable fields, the default
 max_tokens refused where it did not fit, and smaller gaps. The 16th session's: continuous
 usage summing every choice, and continue_final_message with an explicit
-add_generation_prompt."""
+add_generation_prompt. The 17th session's: text parts glued together."""
 from __future__ import annotations
 
 import re
@@ -53,6 +53,20 @@ def test_malformed_chat_fields_are_605(http, model):
         {"type": "text", "text": "Hi"}]}]})
     assert ok.status_code == 200 and ok.json()["tokens"] == http.post(
         "/tokenize", json={"messages": USER}).json()["tokens"]
+
+
+def test_text_parts_are_joined_by_newlines(http, model):
+    """Several text parts of one message reach the template joined by "\n", as vLLM joins
+    them (they were glued: "Hello" + "world" became "Helloworld")."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                          {"type": "text", "text": "world"}]}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    tokens = http.post("/tokenize", json={"messages": parts}).json()["tokens"]
+    assert tokens == http.post("/tokenize", json={"messages": joined}).json()["tokens"]
+    usage = [http.post("/v1/chat/completions", json={"model": model, "messages": m,
+                                                     "max_tokens": 1}).json()["usage"]
+             for m in (parts, joined)]
+    assert usage[0]["prompt_tokens"] == usage[1]["prompt_tokens"] == len(tokens)
 
 
 def test_ids_outside_the_vocabulary_and_min_tokens_are_605(http, model):

@@ -219,3 +219,31 @@ def test_validation_error_names_the_client_field_not_the_union_member():
         err = validation_error(RequestValidationError(
             [{"type": "string_type", "loc": loc, "msg": "Input should be a valid string"}]))
         assert err.param == name and f"'{name}'" in err.message
+
+
+def test_chat_template_sees_the_special_tokens_transformers_passes(tmp_path):
+    """The server renders a template with the tokenizer's named special tokens, as
+    transformers does (pad_token was missing); one the tokenizer leaves unset is undefined
+    (bos_token was "" and so `is defined`). Checked against transformers on the demo
+    tokenizer, with unk_token added to its config."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from api.tokenizer import TextTokenizer
+    from model.demo import ensure_demo_checkpoint
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_demo_checkpoint() / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["unk_token"] = "<|endoftext|>"
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}|{{ eos_token }}|"
+                "{{ pad_token }}|{{ unk_token }}|{{ bos_token is defined }}|"
+                "{{ sep_token is defined }}")
+    messages = [{"role": "user", "content": "Hi"}]
+    ours = TextTokenizer.from_dir(tmp_path, template).apply_chat_template(messages)
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs == "Hi|<|im_end|>|<|endoftext|>|<|endoftext|>|False|False"
