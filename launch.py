@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--chat-template", help="Jinja chat template file, or the template itself "
                               "(default: the tokenizer's)")
+    a("--generation-config", default="auto",
+      help="sampling defaults for fields a request leaves out: auto (the model folder's "
+           "generation_config.json, as vLLM), vllm (none: temperature 1, no top-k/top-p), or "
+           "a folder holding a generation_config.json")
     a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
@@ -128,6 +132,23 @@ def serving_text_decoder(config: EngineConfig):
         return None
 
 
+def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
+    """--generation-config as ApiConfig.sampling_defaults ("name=value" entries)."""
+    from coordinator.sampling_params import model_sampling_defaults
+    if choice == "vllm":
+        return ()
+    folder = model_dir if choice == "auto" else choice
+    try:
+        defaults = model_sampling_defaults(folder)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if defaults:
+        logging.getLogger("tapserve").info(
+            "sampling defaults from %s/generation_config.json: %s (--generation-config vllm "
+            "leaves them out)", folder, defaults)
+    return tuple(f"{name}={value}" for name, value in defaults.items())
+
+
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
     from api.server import ApiConfig
     from coordinator.loop import CoordinatorLoop, LoopSettings
@@ -147,6 +168,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             host=args.host, port=args.port, api_key=args.api_key,
             max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
+            sampling_defaults=sampling_defaults(args.generation_config, model_dir),
             eos_token_ids=tuple(engine.options.eos_token_ids),
             log_requests=args.log_requests,
             parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
@@ -176,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             chat_template_text(args.chat_template)
         except (ValueError, OSError) as e:
             raise SystemExit(str(e)) from None
+    if args.generation_config not in ("auto", "vllm") \
+            and not os.path.isfile(os.path.join(args.generation_config, "generation_config.json")):
+        raise SystemExit(f"--generation-config {args.generation_config!r}: auto, vllm, or a "
+                         "folder holding a generation_config.json")
     if args.nproc_per_node is not None and not is_local_rank():
         if args.nproc_per_node < 1 or args.prompt is not None:
             raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from coordinator.sampling_params import MODEL_DEFAULT_FIELDS
+
 _KEY_FILE = "api_key"
 
 
@@ -29,6 +31,8 @@ class ApiConfig:
     max_num_seqs: int = 256  # the engine's running-request limit
     max_queued_requests: int = 1024  # engine requests beyond max_num_seqs before 503
     chat_template: str | None = None  # file (or inline template) overriding the tokenizer's
+    # "name=value" sampling defaults for fields a request leaves out (generation_config.json)
+    sampling_defaults: tuple[str, ...] = ()
     log_requests: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
     max_n: int = 16  # per-request cap on n / num_return_sequences / num_beams
@@ -50,6 +54,18 @@ class ApiConfig:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"ApiConfig.{name} is out of range: {getattr(self, name)!r}")
+        self.default_sampling  # a malformed entry fails here, not in a request
+
+    @property
+    def default_sampling(self) -> dict[str, float | int]:
+        """sampling_defaults as SamplingParams keyword arguments."""
+        out: dict[str, float | int] = {}
+        for entry in self.sampling_defaults:
+            name, _, value = entry.partition("=")
+            if name not in MODEL_DEFAULT_FIELDS:
+                raise ValueError(f"ApiConfig.sampling_defaults: unknown field in {entry!r}")
+            out[name] = MODEL_DEFAULT_FIELDS[name](value)
+        return out
 
     @property
     def max_in_flight(self) -> int:
@@ -113,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
     p.add_argument("--eos-token-ids", default=(),
                    type=lambda text: tuple(int(t) for t in text.split(",") if t))
+    p.add_argument("--sampling-defaults", default=(),
+                   type=lambda text: tuple(t for t in text.split(",") if t))
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--api-key", default=None, help="prefer --api-key-file or $TAPSERVE_API_KEY")
     p.add_argument("--api-key-file", default=None)

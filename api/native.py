@@ -36,12 +36,13 @@ from api.values import encode_value
 class GenerateConfig(StrictModel):
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
-    temperature: float = 1.0
+    # None: the model's default (generation_config.json), else SamplingParams'
+    temperature: float | None = None
     do_sample: bool | None = None  # False: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     num_return_sequences: int | None = Field(None, ge=1)
@@ -65,11 +66,12 @@ class GenerateConfig(StrictModel):
     def sampling_kwargs(self, max_new_tokens: int) -> dict:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         beams = self.num_beams > 1
+        optional = {"temperature": 0.0 if self.do_sample is False else self.temperature,
+                    "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                    "repetition_penalty": self.repetition_penalty}
         return {
+            **{name: value for name, value in optional.items() if value is not None},
             "max_new_tokens": max_new_tokens, "min_tokens": self.min_new_tokens,
-            "temperature": 0.0 if self.do_sample is False else self.temperature,
-            "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "n": self.num_beams if beams else (self.num_return_sequences or 1),
             "num_beams": self.num_beams, "length_penalty": self.length_penalty,

@@ -127,10 +127,11 @@ class AppState:
         if n > self.config.max_n:
             raise invalid(f"{param} must be <= {self.config.max_n}, got {n}", param)
 
-    @staticmethod
-    def sampling_params(**kwargs: Any) -> SamplingParams:
+    def sampling_params(self, **kwargs: Any) -> SamplingParams:
+        """A request's SamplingParams: the fields it gives, else the model's defaults
+        (ApiConfig.sampling_defaults), else SamplingParams' own; a 605 for bad values."""
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**{**self.config.default_sampling, **kwargs})
         except (ValueError, TypeError) as e:
             raise invalid(str(e), str(e).split(" ", 1)[0]) from None
 

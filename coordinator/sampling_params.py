@@ -1,12 +1,18 @@
 """Per-request sampling parameters. Pure Python (no torch): the API process imports it too."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 # a temperature below this samples greedily, as vLLM's (1/T would overflow the logits)
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range for logit_bias values: [-100, 100]
+# fields a model's generation_config.json may give defaults for, with their types (vLLM's
+# list; do_sample is ignored, as vLLM ignores it: top_k 1 or temperature 0 is greedy)
+MODEL_DEFAULT_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+                        "repetition_penalty": float}
 
 
 @dataclass
@@ -114,3 +120,21 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling fields: {sorted(unknown)}")
         return cls(**d)
+
+
+def model_sampling_defaults(folder: str | Path) -> dict[str, float | int]:
+    """The sampling defaults in folder's generation_config.json (none when it has none):
+    what a request that leaves such a field out gets, as vLLM's --generation-config auto.
+    A value of the wrong type is a ValueError."""
+    path = Path(folder) / "generation_config.json"
+    raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    defaults: dict[str, float | int] = {}
+    for name, kind in MODEL_DEFAULT_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (kind is int and value != int(value)):
+            raise ValueError(f"{path}: {name} must be a number ({kind.__name__}), got {value!r}")
+        defaults[name] = kind(value)
+    return defaults

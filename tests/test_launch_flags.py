@@ -34,6 +34,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--chat-template", "/nonexistent/t.jinja"], None, "neither a file nor a Jinja template"),
     (["--nproc-per-node", "0"], None, "--nproc-per-node needs a value >= 1"),
     (["--nproc-per-node", "2"], {"RANK": "0"}, "not under torchrun"),
+    (["--generation-config", "/nonexistent"], None, "auto, vllm, or a folder"),
 ])
 def test_misused_flags_fail_at_once(args, env, message):
     proc = _launch(*args, env=env)
