@@ -64,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               "(default: the tokenizer's)")
     a("--generation-config", default="auto",
       help="sampling defaults for fields a request leaves out: auto (the model folder's "
-           "generation_config.json, as vLLM), vllm (none: temperature 1, no top-k/top-p), or "
-           "a folder holding a generation_config.json")
+           "generation_config.json: temperature, top_k, top_p, min_p, repetition_penalty, as "
+           "vLLM, but not max_new_tokens), vllm (none: temperature 1, no top-k/top-p), or a "
+           "folder holding a generation_config.json")
     a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
@@ -133,19 +134,15 @@ def serving_text_decoder(config: EngineConfig):
 
 
 def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
-    """--generation-config as ApiConfig.sampling_defaults ("name=value" entries)."""
+    """--generation-config as ApiConfig.sampling_defaults ("name=value" entries); a bad
+    generation_config.json ends the start-up with its message."""
     from coordinator.sampling_params import model_sampling_defaults
     if choice == "vllm":
         return ()
-    folder = model_dir if choice == "auto" else choice
     try:
-        defaults = model_sampling_defaults(folder)
-    except ValueError as e:
+        defaults = model_sampling_defaults(model_dir if choice == "auto" else choice)
+    except ValueError as e:  # json.JSONDecodeError included
         raise SystemExit(str(e)) from None
-    if defaults:
-        logging.getLogger("tapserve").info(
-            "sampling defaults from %s/generation_config.json: %s (--generation-config vllm "
-            "leaves them out)", folder, defaults)
     return tuple(f"{name}={value}" for name, value in defaults.items())
 
 
@@ -168,7 +165,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             host=args.host, port=args.port, api_key=args.api_key,
             max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
-            sampling_defaults=sampling_defaults(args.generation_config, model_dir),
+            sampling_defaults=args.sampling_defaults,
             eos_token_ids=tuple(engine.options.eos_token_ids),
             log_requests=args.log_requests,
             parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
@@ -178,6 +175,10 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
         loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],
                                             cwd=os.path.dirname(os.path.abspath(__file__)),
                                             start_new_session=True)
+        if args.sampling_defaults:
+            logging.getLogger("tapserve").info(
+                "sampling defaults from the generation config: %s (--generation-config vllm "
+                "leaves them out)", ", ".join(args.sampling_defaults))
         logging.getLogger("tapserve").info("serving on http://%s:%d", args.host, args.port)
         return loop.run()
     finally:
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     config = engine_config(args)
     if args.prompt is not None:
         return run_prompt(args, config)
+    # before the model loads: a bad generation_config.json fails at once
+    args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
     return serve(args, config)
 
 

@@ -177,6 +177,10 @@ class EngineClient:
             r.arrival_time = r.arrival_time or time.time()
         try:  # e.g. an integer beyond 64 bits in custom_output_params or the seed
             payloads = [wire.encode(r) for r in requests]
+        except UnicodeEncodeError as e:  # a lone surrogate in a stop string, say
+            from api.errors import invalid
+            raise invalid(f"request cannot be encoded: it holds text that is not valid "
+                          f"Unicode ({e.reason})") from e
         except (OverflowError, ValueError, TypeError) as e:
             from api.errors import invalid
             raise invalid(f"request cannot be encoded (integers, such as custom_output_params "

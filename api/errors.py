@@ -35,6 +35,12 @@ class ApiError(Exception):
     message: str
     param: str | None = None
 
+    def __post_init__(self) -> None:
+        # client text quoted in a message (a model name, a stop string) may hold a lone
+        # surrogate, which no JSON response can encode: the answer would become a plain 500
+        self.message = _encodable(self.message)
+        self.param = None if self.param is None else _encodable(self.param)
+
     @property
     def status(self) -> int:
         return _STATUS_OF_CODE.get(self.code, self.code if 400 <= self.code < 600 else 500)
@@ -49,6 +55,11 @@ class ApiError(Exception):
 
     def native_body(self) -> dict:
         return {"error_code": self.code, "error_code_str": self.code_str, "message": self.message}
+
+
+def _encodable(text: str) -> str:
+    """text with any lone surrogate written as a backslash escape (valid UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:

@@ -31,6 +31,7 @@ from api.openai_schemas import ChatMessage, StrictModel
 from api.state import AppState, race_disconnect, sse
 from api.tokenizer import ChatTemplateError
 from api.values import encode_value
+from coordinator.sampling_params import SamplingParams
 
 
 class GenerateConfig(StrictModel):
@@ -220,7 +221,7 @@ def _score_params(body: CustomOutputRequest) -> list[dict | None]:
 
 async def _score_one(state: AppState, request: Request, ids: list[int], cop: dict | None,
                      encoding: str) -> dict:
-    params = state.sampling_params(max_new_tokens=0, temperature=0.0)
+    params = SamplingParams(max_new_tokens=0)  # scoring samples nothing: no model defaults
     generation = state.submit(request, "score", [(ids, params)], [cop])
     try:
         await state.accepted(request, generation, watch=False)

@@ -87,6 +87,17 @@ def chat_template_text(override: str) -> str:
     raise ValueError(f"--chat-template {override!r} is neither a file nor a Jinja template")
 
 
+def _tokenizer_config(folder: Path) -> dict:
+    """tokenizer_config.json, with special_tokens_map.json over it in the legacy layout (a
+    config without added_tokens_decoder), as transformers reads them."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    legacy = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and legacy.is_file():
+        config = {**config, **json.loads(legacy.read_text(encoding="utf-8"))}
+    return config
+
+
 def _template_source(folder: Path, config: dict, override: str | None) -> str | None:
     if override:
         return chat_template_text(override)
@@ -127,8 +138,7 @@ class TextTokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file} not found (the API process needs tokenizer.json)")
-        config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = _tokenizer_config(folder)
         return cls(Tokenizer.from_file(str(tok_file)), config,
                    _template_source(folder, config, chat_template))
 

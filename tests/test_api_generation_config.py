@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 pytest.register_assert_rewrite("tests.api_helpers")
-from tests.api_helpers import LiveServer  # noqa: E402
+from tests.api_helpers import ROOT, LiveServer  # noqa: E402
 
 from api.config import ApiConfig  # noqa: E402
 from coordinator.sampling_params import model_sampling_defaults  # noqa: E402
@@ -69,3 +69,48 @@ def test_requests_without_sampling_fields_take_the_models_defaults(server):
     # a field the request gives wins over the default
     sampled = {_completion(server, seed=s, top_k=0, top_p=1.0) for s in range(4)}
     assert len(sampled) > 1
+
+
+def test_every_default_fills_only_the_fields_a_request_leaves_out():
+    """All five fields, OpenAI and native (a null is left out; do_sample false is greedy)."""
+    from types import SimpleNamespace
+
+    from api.native import GenerateConfig
+    from api.openai_schemas import CompletionRequest
+    from api.state import AppState
+    config = ApiConfig(ipc_dir="/x", tokenizer="/t", sampling_defaults=(
+        "temperature=0.6", "top_k=20", "top_p=0.95", "min_p=0.05", "repetition_penalty=1.1"))
+    state = SimpleNamespace(config=config)
+
+    def fields(kwargs: dict) -> tuple:
+        p = AppState.sampling_params(state, **kwargs)
+        return p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty
+    defaults = (0.6, 20, 0.95, 0.05, 1.1)
+    assert fields(CompletionRequest(prompt="x").sampling_kwargs(4)) == defaults
+    own = dict(temperature=0.2, top_k=5, top_p=0.5, min_p=0.0, repetition_penalty=1.0)
+    assert fields(CompletionRequest(prompt="x", **own).sampling_kwargs(4)) == tuple(own.values())
+    native = GenerateConfig.model_validate
+    assert fields(native({"temperature": None, "top_k": None}).sampling_kwargs(4)) == defaults
+    assert fields(native({"do_sample": False}).sampling_kwargs(4)) == (0.0, *defaults[1:])
+    assert fields(native({"top_p": 0.5}).sampling_kwargs(4)) == (0.6, 20, 0.5, 0.05, 1.1)
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"top_p": 0.0}', "top_p must be in (0, 1]"),
+    ('{"repetition_penalty": NaN}', "repetition_penalty must be a finite number"),
+    ('{"top_k": 1e30}', "top_k must fit in 64 bits"),
+    ('{"temperature": "hot"}', "temperature must be a number"),
+    ('[1]', "is not a JSON object"),
+])
+def test_a_bad_generation_config_fails_at_start_up(tmp_path, content, message):
+    """Before the model loads, with its message (these passed and then failed every request,
+    /custom_output scoring included)."""
+    import subprocess
+    import sys
+    (tmp_path / "generation_config.json").write_text(content)
+    proc = subprocess.run([sys.executable, "launch.py", "--generation-config", str(tmp_path),
+                           "--port", "0"], cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert "serving on" not in proc.stderr
+

@@ -247,3 +247,13 @@ def test_chat_template_sees_the_special_tokens_transformers_passes(tmp_path):
     theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     assert ours == theirs == "Hi|<|im_end|>|<|endoftext|>|<|endoftext|>|False|False"
+    # the legacy layout: no added_tokens_decoder, special_tokens_map.json over the config
+    config.pop("added_tokens_decoder", None)
+    config.pop("pad_token")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|im_end|>"}))
+    ours = TextTokenizer.from_dir(tmp_path, template).apply_chat_template(messages)
+    theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs == "Hi|<|im_end|>|<|im_end|>|<|im_end|>|False|False"

@@ -227,3 +227,22 @@ def test_lone_surrogates_are_605_where_text_is_tokenized(server):
         assert "custom_output" in good and good["input_len"] > 0, good
         r = c.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00 fine", "max_tokens": 2}')
         assert r.status_code == 200, r.text  # a surrogate pair is a character, not an error
+
+
+def test_a_lone_surrogate_in_the_model_name_is_a_404_not_a_500(server):
+    """The 404 quoted the name, and its JSON body could not be encoded: a plain 500. Error
+    messages now write a lone surrogate as its escape."""
+    HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(server.url + path, timeout=60, headers=HEADERS,
+                       content=b'{"model": "\\ud800", "prompt": "hi", "messages": '
+                               b'[{"role": "user", "content": "hi"}], "max_tokens": 2}')
+        assert r.status_code in (400, 404), (path, r.status_code, r.text)
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   headers=HEADERS,
+                   content=b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}')
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith(
+        "the model '\\ud800'"), r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=60, headers=HEADERS,
+                   content=b'{"prompt": "hi", "max_tokens": 2, "stop": "\\udc00"}')
+    assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"], r.text
