@@ -113,6 +113,7 @@ def worker(rank: int, port: int, args, results) -> None:
     if args.no_decode and rank == 1:
         import ranks.group
         ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
+        ranks.group.PlanDecoder.decode = lambda self, payload: None
     decode_seconds = _time_plan_decoding() if rank == 1 else [0.0]
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
@@ -225,16 +226,20 @@ def _quantiles(seconds: list[float]) -> dict[str, float]:
 
 
 def _time_plan_decoding() -> list[float]:
-    """Make PlanChannel.recv's decode add its seconds to the returned one-item list."""
+    """Make PlanChannel.recv's decodes (PlanDecoder's, and decode_plan for a plan sent in two
+    broadcasts) add their seconds to the returned one-item list."""
     import ranks.group
-    decode, seconds = ranks.group.decode_plan, [0.0]
+    seconds = [0.0]
 
-    def timed(payload, **kwargs):
-        start = time.perf_counter()
-        plan = decode(payload, **kwargs)
-        seconds[0] += time.perf_counter() - start
-        return plan
-    ranks.group.decode_plan = timed
+    def timed(decode):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            plan = decode(*args, **kwargs)
+            seconds[0] += time.perf_counter() - start
+            return plan
+        return run
+    ranks.group.decode_plan = timed(ranks.group.decode_plan)
+    ranks.group.PlanDecoder.decode = timed(ranks.group.PlanDecoder.decode)
     return seconds
 
 

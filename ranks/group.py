@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from model.layers import TPGroup
 from ranks.local_group import STORE_ENV
-from ranks.plan import TRANSPORT_HEADER_BYTES, EncodedPlan, PlanMessage, StepPlan, decode_plan
+from ranks.plan import (TRANSPORT_HEADER_BYTES, EncodedPlan, PlanDecoder, PlanMessage, StepPlan,
+                        decode_plan)
 
 # the plan's length, the next message's size (little-endian uint64)
 HEADER_BYTES = TRANSPORT_HEADER_BYTES
@@ -83,6 +84,7 @@ class PlanChannel:
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
         self.rest = torch.zeros(0, dtype=torch.uint8)
         self._received = self.rest  # the receive buffer, reused; grows by powers of two
+        self._decoder = PlanDecoder()  # a steady step's head is parsed once
         self.last_sent = time.monotonic()  # when rank 0 last sent a plan (of any kind)
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
@@ -133,7 +135,7 @@ class PlanChannel:
         k = min(n, self.size - HEADER_BYTES)
         self.size = next_size
         if n == k:
-            return decode_plan(head[HEADER_BYTES:HEADER_BYTES + n], copy=False)
+            return self._decoder.decode(head[HEADER_BYTES:HEADER_BYTES + n])
         rest = self._rest(n - k)
         dist.broadcast(rest, src=0, group=self.group)
         return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())

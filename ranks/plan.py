@@ -266,30 +266,78 @@ def _read_head(view: memoryview) -> tuple[dict, int, int] | None:
 
 
 def _decode_body(body: dict, blob: np.ndarray | None) -> StepPlan:
-    try:
-        if blob is None:
+    if blob is None:
+        try:
             blob = np.frombuffer(body["data"], np.uint8).copy()
-        arrays, pos = {}, 0
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e
+    layout = _layout(body)
+    _check_size(blob.size, layout)
+    return layout.plan(blob)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A message's head, checked: the plan's scalars and where each array lies in the data."""
+    kind: StepKind
+    graph_bucket: int
+    ids_from_rank0: bool
+    arrays: tuple[tuple[str, np.dtype, tuple[int, ...], int], ...]  # name, dtype, shape, offset
+    nbytes: int  # of the data
+
+    def plan(self, blob: np.ndarray) -> StepPlan:
+        """The plan whose arrays are views of blob (self.nbytes long)."""
+        return StepPlan(kind=self.kind, graph_bucket=self.graph_bucket,
+                        ids_from_rank0=self.ids_from_rank0,
+                        **{name: np.ndarray(shape, dt, blob, pos)
+                           for name, dt, shape, pos in self.arrays})
+
+
+def _layout(body: dict) -> _Layout:
+    try:
+        arrays, pos = [], 0
         for name, (dtype, shape) in zip(_ARRAY_FIELDS, body["arrays"], strict=True):
-            arrays[name] = _view(blob, pos, name, np.dtype(dtype), shape)
-            pos += _padded(arrays[name].nbytes)
-        if pos != blob.size:
-            raise ValueError(f"plan data is {blob.size} bytes, its arrays take {pos}")
+            dt = np.dtype(dtype)
+            if dt.kind not in "biuf" or not dt.isnative:
+                raise ValueError(f"plan array {name}: dtype {dt.str} is not a native numeric dtype")
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError(f"plan array {name}: bad shape {shape}")
+            arrays.append((name, dt, tuple(shape), pos))
+            pos += _padded(dt.itemsize * math.prod(shape))
         if type(body["ids_from_rank0"]) is not bool:
             raise TypeError(f"ids_from_rank0 is {body['ids_from_rank0']!r}, not a bool")
-        return StepPlan(kind=StepKind(body["kind"]), graph_bucket=int(body["graph_bucket"]),
-                        ids_from_rank0=body["ids_from_rank0"], **arrays)
+        return _Layout(StepKind(body["kind"]), int(body["graph_bucket"]),
+                       body["ids_from_rank0"], tuple(arrays), pos)
     except (TypeError, KeyError, OverflowError, SyntaxError, msgpack.UnpackException) as e:
         # (numpy's dtype parser raises SyntaxError for some strings, int() OverflowError)
         raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e
 
 
-def _view(blob: np.ndarray, pos: int, name: str, dt: np.dtype, shape: list) -> np.ndarray:
-    if dt.kind not in "biuf" or not dt.isnative:
-        raise ValueError(f"plan array {name}: dtype {dt.str} is not a native numeric dtype")
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"plan array {name}: bad shape {shape}")
-    n = dt.itemsize * math.prod(shape)
-    if pos + n > blob.size:
-        raise ValueError(f"plan array {name} runs past the data")
-    return np.ndarray(shape, dt, blob, pos)
+def _check_size(nbytes: int, layout: _Layout) -> None:
+    if nbytes != layout.nbytes:
+        past = " (they run past the data)" if layout.nbytes > nbytes else ""
+        raise ValueError(f"plan data is {nbytes} bytes, its arrays take {layout.nbytes}{past}")
+
+
+class PlanDecoder:
+    """decode_plan(data, copy=False) for a stream of messages (a receiving PlanChannel): a
+    head that repeats the last one byte for byte, as every steady decode step's does (the
+    same kind, bucket, dtypes and shapes), reuses its checked parse, so only the arrays'
+    views are made."""
+
+    def __init__(self) -> None:
+        self._head = b""  # the last message's bytes up to its data
+        self._layout: _Layout | None = None
+
+    def decode(self, data: np.ndarray) -> StepPlan:
+        view, layout, k = memoryview(data), self._layout, len(self._head)
+        if layout is None or len(view) != k + layout.nbytes or view[:k] != self._head:
+            head = _read_head(view)
+            if head is None:
+                return decode_plan(data, copy=False)  # (msgpack names what is wrong)
+            body, k, n = head
+            layout = _layout(body)
+            _check_size(n, layout)
+            self._head, self._layout = view[:k].tobytes(), layout
+        blob = np.frombuffer(view, np.uint8, count=layout.nbytes, offset=k)
+        return layout.plan(blob if blob.flags.writeable else blob.copy())

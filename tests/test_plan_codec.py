@@ -7,7 +7,8 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from ranks.plan import _ARRAY_FIELDS, EncodedPlan, StepKind, StepPlan, decode_plan, encode_plan
+from ranks.plan import (_ARRAY_FIELDS, EncodedPlan, PlanDecoder, StepKind, StepPlan, decode_plan,
+                        encode_plan)
 
 FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
           "block_tables", "logit_rows", "custom_rows", "block_copies")
@@ -124,3 +125,36 @@ def test_the_quick_head_reader_accepts_nothing_msgpack_refuses() -> None:
             decode_plan(msgpack.packb(broken, use_bin_type=True))
     with pytest.raises(ValueError):
         decode_plan(msgpack.packb(dict(body, graph_bucket=float("inf")), use_bin_type=True))
+
+
+def test_a_decoder_reuses_a_repeated_head_and_nothing_else() -> None:
+    """PlanDecoder (the receiving channel's): a message whose head repeats the last one byte
+    for byte (new data, same kinds and shapes) is read with the last parse; any other head is
+    parsed afresh; every plan equals decode_plan's, as views of the buffer it came in; a
+    malformed message after good ones is still refused."""
+    import pytest
+    rng = np.random.default_rng(5)
+    decoder, parses = PlanDecoder(), []
+    import ranks.plan
+    real_read_head = ranks.plan._read_head
+    ranks.plan._read_head = lambda view: parses.append(1) or real_read_head(view)
+    try:
+        shapes = [(4, 6, False), (4, 6, False), (4, 6, True), (5, 6, True), (5, 6, True),
+                  (4, 6, False)]
+        for i, (rows, width, ids) in enumerate(shapes):
+            plan = _plan(rng, rows, width, ids)  # new values each time
+            buffer = np.frombuffer(bytearray(encode_plan(plan)), np.uint8)
+            got = decoder.decode(buffer)
+            assert _same(got, plan) and _same(got, decode_plan(buffer)), i
+            assert np.shares_memory(got.block_tables, buffer)
+        # parsed: the first, then each head change (ids_from_rank0, rows, back); decode_plan's
+        # own calls above add one each
+        assert len(parses) == len(shapes) + 4
+        read_only = decoder.decode(np.frombuffer(encode_plan(plan), np.uint8))
+        assert _same(read_only, plan) and read_only.block_tables.flags.writeable
+        good = msgpack.unpackb(encode_plan(plan), raw=False)
+        short = msgpack.packb({**good, "data": good["data"][:-8]}, use_bin_type=True)
+        with pytest.raises(ValueError, match="past the data"):
+            decoder.decode(np.frombuffer(bytearray(short), np.uint8))
+    finally:
+        ranks.plan._read_head = real_read_head
