@@ -112,20 +112,37 @@ class IncrementalDetokenizer:
         return bisect.bisect_left(self._ends, len(self.text)) + 1 if self.text else 0
 
     def _decode_step(self, final: bool = False) -> str:
-        prefix = self.decoder.decode(self._ids[self._prefix_offset:self._read_offset],
-                                     self.skip_special_tokens)
-        full = self.decoder.decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-        held = len(self._ids) - self._read_offset
-        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final
-                                          and held < _MAX_HELD_TOKENS):
+        prefix = self._decode(self._read_offset)
+        end = len(self._ids)
+        full = self._decode(end)
+        if full.endswith("\ufffd") and not final:
+            if end - self._read_offset < _MAX_HELD_TOKENS:
+                return ""
+            end, full = self._without_open_tail(end, full)  # give up waiting, mostly
+        if len(full) <= len(prefix):
             return ""
         new = full[len(prefix):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, end
         if self._prefix_offset > 64:  # keep the window small
             drop = self._prefix_offset
             self._ids = self._ids[drop:]
             self._prefix_offset, self._read_offset = 0, self._read_offset - drop
         return new
+
+    def _decode(self, end: int) -> str:
+        return self.decoder.decode(self._ids[self._prefix_offset:end], self.skip_special_tokens)
+
+    def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
+        """When giving up on held tokens: keep back the last one to three of them if their
+        text is some characters and one final U+FFFD, which may be a character's first bytes
+        that the next token completes (flushed, the U+FFFD would stand for good and the
+        completed character be lost); the text before them goes out."""
+        for k in range(1, min(4, end - self._read_offset)):
+            shorter = self._decode(end - k)
+            tail = full[len(shorter):]
+            if full.startswith(shorter) and tail.endswith("\ufffd") and "\ufffd" not in tail[:-1]:
+                return end - k, shorter
+        return end, full
 
     def finish(self) -> None:
         """The sequence ended: flush characters held for completion."""
