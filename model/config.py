@@ -31,7 +31,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama, Qwen3 by config)
+    o_proj_bias: bool = False  # bias on o too (Llama, Qwen3 with attention_bias; never Qwen2)
+    mlp_bias: bool = False  # bias on gate/up/down (Llama's mlp_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
@@ -63,6 +65,10 @@ class ModelConfig:
             if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
                 rope_scaling = None
         num_heads = raw["num_attention_heads"]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":  # SiluAndMul is the only MLP activation here (as vLLM's Llama)
+            raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
+        attention_bias = bool(raw.get("attention_bias", False))
         eos = _as_list(raw.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
         return cls(
             architecture=arch,
@@ -78,7 +84,9 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             rope_scaling=rope_scaling,
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=arch == "qwen2" or attention_bias,
+            o_proj_bias=arch != "qwen2" and attention_bias,  # as transformers' models
+            mlp_bias=arch == "llama" and bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "qwen3",
             eos_token_ids=list(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),

@@ -1,5 +1,6 @@
 """The decoder-only transformer shared by Qwen3, Qwen2 and Llama; their differences are config
-(Qwen3: q/k RMSNorm per head; Qwen2: bias on q/k/v; Llama-3: rope scaling)."""
+(Qwen3: q/k RMSNorm per head; Qwen2: bias on q/k/v; Llama-3: rope scaling; attention_bias
+and mlp_bias as transformers applies them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, tp, bias=cfg.attention_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp,
+                                        bias=cfg.o_proj_bias)
         self.rotary = rotary  # one table shared by every layer
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -88,8 +90,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp,
+                                           bias=cfg.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

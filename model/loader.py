@@ -65,6 +65,10 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
                 target = _map_name(model, hf_name)
+                if target is not None and target[0] not in params and _in_a_layer(target[0]):
+                    raise ValueError(f"checkpoint tensor {hf_name} is part of a layer's attention"
+                                     " or MLP, but the model has no such parameter: its "
+                                     "config.json asks for what tapserve does not implement")
                 if target is None or target[0] not in params:
                     continue  # a tensor the model does not use (a head's weights, say)
                 name, shard_id = target
@@ -86,6 +90,12 @@ def _map_name(model: CausalLM, hf_name: str) -> tuple[str, object] | None:
     if name == "lm_head.weight" and model.config.tie_word_embeddings:
         return None
     return name, None
+
+
+def _in_a_layer(name: str) -> bool:
+    """name (ours) is a decoder layer's attention or MLP tensor: one the model must use."""
+    parts = name.split(".")
+    return len(parts) > 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp")
 
 
 def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:

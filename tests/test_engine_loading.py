@@ -184,3 +184,29 @@ def test_misshaped_tensor_in_a_sharded_checkpoint_is_named(tmp_path) -> None:
     with pytest.raises(ValueError) as info:
         make_llm(ckpt)
     assert name in str(info.value) and "shape" in str(info.value)
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"attention_bias": True})])
+def test_attention_and_mlp_biases_as_transformers(tmp_path, prompts, arch, config) -> None:
+    """attention_bias puts a bias on o_proj too (Llama, Qwen3; not Qwen2), and Llama's
+    mlp_bias on gate/up/down; they were dropped as unused tensors, with wrong tokens."""
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch, **config)
+    cfg = ModelConfig.from_dir(ckpt)
+    assert cfg.o_proj_bias and cfg.mlp_bias == (arch == "llama")
+    assert token_ids(run(make_llm(ckpt), prompts, greedy(NEW))) == \
+        hf_greedy(hf_model(ckpt), prompts, NEW)
+
+
+def test_unsupported_layer_tensors_and_activations_are_refused(tmp_path) -> None:
+    """A tensor of a layer's attention or MLP the model has no parameter for means computation
+    tapserve would skip: refused, as is an MLP activation other than SiLU."""
+    plain = make_tiny_checkpoint(tmp_path / "plain", "qwen2")
+    tensors = load_file(plain / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.randn(64)
+    save_file(tensors, plain / "model.safetensors")
+    with pytest.raises(ValueError, match="o_proj.bias is part of a layer's attention"):
+        make_llm(plain)
+    gelu = make_tiny_checkpoint(tmp_path / "gelu", "llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dir(gelu)

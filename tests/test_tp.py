@@ -63,9 +63,12 @@ def _assert_same_tokens_and_logprobs(one: dict, two: dict, n: int) -> None:
             assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a, b))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_tp2_greedy_matches_tp1(tmp_path, arch):
-    ckpt = make_tiny_checkpoint(tmp_path / arch, arch)
+@pytest.mark.parametrize("arch,biases", [("qwen3", {}), ("llama", {}),
+                                         ("llama", {"attention_bias": True, "mlp_bias": True})],
+                         ids=["qwen3", "llama", "llama-biases"])
+def test_tp2_greedy_matches_tp1(tmp_path, arch, biases):
+    """(o_proj's and down_proj's biases are added once, after the all-reduce.)"""
+    ckpt = make_tiny_checkpoint(tmp_path / arch, arch, **biases)
     reqs = _requests([1, 7, 16, 17, 40, 3], GREEDY)
     one, two = compare(tmp_path, arch, {"engine": {"model": str(ckpt)}, "requests": reqs})
     _assert_same_tokens_and_logprobs(one, two, len(reqs))
