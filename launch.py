@@ -70,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        p.error(f"--port must be in [0, 65535], got {args.port}")
+    if not args.shutdown_timeout >= 0:  # (NaN too)
+        p.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    return args
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -211,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                              "(use torchrun's --nproc-per-node alone)")
         return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *sys.argv[1:]]
                                if argv is None else [os.path.abspath(__file__), *argv])
-    config = engine_config(args)
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if args.prompt is not None:
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp not in (None, 1):
+            raise SystemExit("--prompt runs one process without tensor parallelism: leave out "
+                             "--tp and run it without torchrun (serve for TP > 1)")
         return run_prompt(args, config)
     # before the model loads: a bad generation_config.json fails at once
     args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())

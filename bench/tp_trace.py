@@ -94,8 +94,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=16)
     p.add_argument("--profile", help="also write torch.profiler traces here")
     args = p.parse_args()
+    limit = json.loads(Path(args.model_config).read_text()).get("max_position_embeddings", 4096)
     config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                          max_model_len=4096, enable_prefix_caching=False, max_num_seqs=16)
+                          max_model_len=min(4096, limit), enable_prefix_caching=False,
+                          max_num_seqs=16)
     ctx, runner, channel = start_rank(config)
     marks = {k: [] for k in (("send_start", "send_end", "replay_start", "replay_end",
                               "execute_end", "ids_home") if ctx.is_driver else

@@ -3,6 +3,7 @@ builds a rank's model runner and rank 0's engine from it."""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,15 @@ class EngineConfig:
             raise ValueError("output_workers must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < float("inf"):
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, "
+                             f"got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.device is not None and self.device != "cpu" \
+                and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     def model_dir(self) -> Path:
         if self.model is None:
@@ -75,12 +85,11 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
     model_dir = config.model_dir()
     model_cfg = ModelConfig.from_dir(model_dir)
     device = device or config.torch_device()
-    max_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                  model_cfg.max_position_embeddings)
-    if config.max_model_len and config.max_model_len > max_len and tp.rank == 0:
-        logging.getLogger("tapserve").warning(
-            "--max-model-len %d exceeds the model's max_position_embeddings (%d): capped to %d",
-            config.max_model_len, max_len, max_len)
+    limit = model_cfg.max_position_embeddings
+    if config.max_model_len and config.max_model_len > limit:  # as vLLM, not capped
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings ({limit}); leave it out or lower it")
+    max_len = config.max_model_len or limit
     runner_cfg = RunnerConfig(
         model_dir=model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
         load_format=config.load_format, block_size=config.block_size,
@@ -89,7 +98,14 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
         max_num_seqs=config.max_num_seqs, max_model_len=max_len,
         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
         seed=config.seed)
-    return ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
+    runner = ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
+    capacity = runner.num_blocks * runner_cfg.block_size
+    if config.max_model_len and config.max_model_len > capacity:  # (unset: the engine caps it)
+        raise ValueError(f"--max-model-len {config.max_model_len} does not fit the KV cache, "
+                         f"{runner.num_blocks} blocks of {runner_cfg.block_size} tokens "
+                         f"({capacity}): give the cache more room (--kv-cache-memory, "
+                         f"--gpu-memory-utilization, --num-kv-blocks) or lower --max-model-len")
+    return runner
 
 
 def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel | None = None,

@@ -103,7 +103,8 @@ def test_scoring_only_always_scores_under_omit(ckpt, ref) -> None:
 def test_preemption_keeps_values_computed_once(ckpt, ref, policy) -> None:
     """A KV cache too small for the batch: requests are preempted and recomputed; each value is
     still the transformers one and the handler scores each selected token once."""
-    llm = make_llm(ckpt, num_kv_blocks=14, max_num_batched_tokens=24, custom_output_reuse=policy)
+    llm = make_llm(ckpt, num_kv_blocks=14, max_num_batched_tokens=24, custom_output_reuse=policy,
+                   max_model_len=None)  # the context the small cache holds
     calls_before = len(llm.engine.handler.calls)
     reqs = [(f"r{i}", prompt(20 + i, 900 + i), greedy(max_new_tokens=30, ignore_eos=True),
              {"position": 5 + i}) for i in range(4)]

@@ -144,7 +144,7 @@ def test_preemption_while_scoring(ckpt, ref, monkeypatch) -> None:
         return original(self, seqs, batch)
 
     monkeypatch.setattr(Scheduler, "_preempt", spy)
-    tight = make_llm(ckpt, num_kv_blocks=9)
+    tight = make_llm(ckpt, num_kv_blocks=9, max_model_len=None)  # what the cache holds
     reqs = [("a", prompt(21, 80), greedy(max_new_tokens=40), LAST),
             ("b", prompt(16, 81), greedy(max_new_tokens=17), LAST)]
     r = run(tight, reqs)

@@ -1,6 +1,7 @@
-"""Launcher flags an outside tester misused (15th session): each is refused at start-up with
-a clear message, before any rank or model loads; and the single-node launcher's ranks run
-one OpenMP thread each, as torchrun's do."""
+"""Launcher flags outside testers misused (15th and 17th sessions): each is refused at start-up
+with a clear message, before any rank or model loads (a --max-model-len the KV cache cannot
+hold: once the cache is sized); and the single-node launcher's ranks run one OpenMP thread
+each, as torchrun's do."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,15 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--nproc-per-node", "0"], None, "--nproc-per-node needs a value >= 1"),
     (["--nproc-per-node", "2"], {"RANK": "0"}, "not under torchrun"),
     (["--generation-config", "/nonexistent"], None, "auto, vllm, or a folder"),
+    (["--max-model-len", "100000"], None, "exceeds the model's max_position_embeddings"),
+    (["--max-model-len", "64", "--num-kv-blocks", "1"], None, "does not fit the KV cache"),
+    (["--prompt", "hi", "--tp", "2"], None, "--prompt runs one process"),
+    (["--prompt", "hi"], {"WORLD_SIZE": "2"}, "--prompt runs one process"),
+    (["--kv-cache-memory", "inf"], None, "kv_cache_memory must be a positive number"),
+    (["--kv-cache-memory", "nan"], None, "kv_cache_memory must be a positive number"),
+    (["--device", "foo"], None, "device must be cpu, cuda or cuda:N"),
+    (["--port", "70000"], None, "--port must be in [0, 65535]"),
+    (["--shutdown-timeout", "-1"], None, "--shutdown-timeout must be >= 0"),
 ])
 def test_misused_flags_fail_at_once(args, env, message):
     proc = _launch(*args, env=env)
