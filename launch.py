@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp not in (None, 1):
             raise SystemExit("--prompt runs one process without tensor parallelism: leave out "
                              "--tp and run it without torchrun (serve for TP > 1)")
-        return run_prompt(args, config)
+        try:
+            return run_prompt(args, config)
+        except ValueError as e:  # a config the model or the KV cache cannot honour
+            raise SystemExit(str(e)) from None
     # before the model loads: a bad generation_config.json fails at once
     args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
     return serve(args, config)

@@ -21,6 +21,20 @@ PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
 _MAX_HELD_TOKENS = 8  # give up waiting for a character to complete after this many tokens
 
 
+def _open_character_bytes(data: bytes) -> int:
+    """How many bytes at the end of data begin a UTF-8 character that more bytes could
+    complete (a lead byte and the continuation bytes after it, fewer than it needs); 0 when
+    data does not end so."""
+    for back in range(1, min(4, len(data) + 1)):
+        byte = data[-back]
+        if 0x80 <= byte < 0xC0:
+            continue  # a continuation byte: its lead is further back
+        need = 2 if 0xC2 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else \
+            4 if 0xF0 <= byte < 0xF5 else 0
+        return back if back < need else 0
+    return 0
+
+
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -134,15 +148,23 @@ class IncrementalDetokenizer:
 
     def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
         """When giving up on held tokens: keep back the last one to three of them if their
-        text is some characters and one final U+FFFD, which may be a character's first bytes
-        that the next token completes (flushed, the U+FFFD would stand for good and the
-        completed character be lost); the text before them goes out."""
-        for k in range(1, min(4, end - self._read_offset)):
-            shorter = self._decode(end - k)
-            tail = full[len(shorter):]
-            if full.startswith(shorter) and tail.endswith("\ufffd") and "\ufffd" not in tail[:-1]:
-                return end - k, shorter
-        return end, full
+        bytes end in a character's first bytes, which the next token may complete (flushed,
+        their U+FFFD would stand for good and the completed character be lost); the text
+        before them goes out. Only where the decoder tells a token's bytes (byte-level BPE:
+        TextTokenizer.token_bytes), where a window may end inside a character."""
+        token_bytes = getattr(self.decoder, "token_bytes", None)
+        if token_bytes is None:
+            return end, full
+        last = [token_bytes(t) for t in self._ids[max(end - 3, self._read_offset + 1):end]]
+        opened = _open_character_bytes(b"".join(last))
+        k, held_bytes = 0, 0
+        while held_bytes < opened:  # the fewest last tokens that hold the open bytes
+            k += 1
+            held_bytes += len(last[-k])
+        if k == 0:
+            return end, full
+        shorter = self._decode(end - k)
+        return (end - k, shorter) if full.startswith(shorter) else (end, full)
 
     def finish(self) -> None:
         """The sequence ended: flush characters held for completion."""

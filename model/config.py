@@ -66,7 +66,7 @@ class ModelConfig:
                 rope_scaling = None
         num_heads = raw["num_attention_heads"]
         act = raw.get("hidden_act", "silu")
-        if act != "silu":  # SiluAndMul is the only MLP activation here (as vLLM's Llama)
+        if act not in ("silu", "swish"):  # transformers' names for SiLU, the only one here
             raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _as_list(raw.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))

@@ -65,7 +65,8 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():
                 target = _map_name(model, hf_name)
-                if target is not None and target[0] not in params and _in_a_layer(target[0]):
+                if target is not None and target[0] not in params \
+                        and _in_a_layer(target[0], model.config.num_hidden_layers):
                     raise ValueError(f"checkpoint tensor {hf_name} is part of a layer's attention"
                                      " or MLP, but the model has no such parameter: its "
                                      "config.json asks for what tapserve does not implement")
@@ -92,10 +93,13 @@ def _map_name(model: CausalLM, hf_name: str) -> tuple[str, object] | None:
     return name, None
 
 
-def _in_a_layer(name: str) -> bool:
-    """name (ours) is a decoder layer's attention or MLP tensor: one the model must use."""
+def _in_a_layer(name: str, num_layers: int) -> bool:
+    """name (ours) is the attention or MLP tensor of one of the model's decoder layers: one
+    the model must use (a checkpoint may hold more layers than its config.json declares;
+    those are ignored, as transformers ignores them)."""
     parts = name.split(".")
-    return len(parts) > 3 and parts[0] == "layers" and parts[2] in ("self_attn", "mlp")
+    return len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() \
+        and int(parts[1]) < num_layers and parts[2] in ("self_attn", "mlp")
 
 
 def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:

@@ -133,6 +133,30 @@ def test_detokenizer_text_equals_a_full_decode_whatever_the_bytes(tok):
         assert "".join(pieces) == want, ids
 
 
+def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
+    """A SentencePiece byte-fallback vocabulary (Llama 2's decoder chain), where a run of
+    byte tokens decodes as a whole: the text after seven stray bytes, a split character and
+    emoji comes out as a full decode shows it. (The first version of the give-up hold-back
+    cut such a run and lost everything after it; a review's find.)"""
+    from tokenizers import Tokenizer, decoders, models
+
+    from api.tokenizer import TextTokenizer
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for word in ("\u2581hello", "\u2581world", "b", "a"):
+        vocab[word] = len(vocab)
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = TextTokenizer(sp, {"eos_token": "</s>"}, None)
+    emoji = [3 + b for b in "😀".encode()]
+    ids = [vocab["\u2581hello"], *[3 + 0x8C] * 7, 3 + 0xD8, 3 + 0x9C, *emoji, *emoji,
+           vocab["b"], *[3 + b for b in "é".encode()], *emoji, vocab["a"]]
+    prompt = [vocab["\u2581hello"], vocab["\u2581world"]]
+    pieces, _ = _stream(tok, ids, prompt=prompt)
+    assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert "".join(pieces).endswith("b\xe9\U0001f600a")
+
+
 def test_detokenizer_drops_held_bytes_of_a_left_out_token(tok):
     """A stop token id whose text is left out ends the sequence: the bytes held for the
     character it would have completed are dropped, not flushed as U+FFFD."""

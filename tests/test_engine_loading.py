@@ -210,3 +210,17 @@ def test_unsupported_layer_tensors_and_activations_are_refused(tmp_path) -> None
     gelu = make_tiny_checkpoint(tmp_path / "gelu", "llama", hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
         ModelConfig.from_dir(gelu)
+    swish = make_tiny_checkpoint(tmp_path / "swish", "llama", hidden_act="swish")
+    assert ModelConfig.from_dir(swish).architecture == "llama"  # transformers' SiLU too
+
+
+def test_layers_past_the_configs_count_are_ignored(tmp_path, prompts) -> None:
+    """A checkpoint holding more layers than config.json declares loads the declared ones,
+    as transformers does (not refused as a layer tensor without a parameter)."""
+    two = make_tiny_checkpoint(tmp_path / "two", "qwen3")
+    config = read_config(two)
+    config["num_hidden_layers"] = 1
+    config.pop("layer_types", None)
+    (two / "config.json").write_text(json.dumps(config))
+    assert token_ids(run(make_llm(two), prompts, greedy(NEW))) == \
+        hf_greedy(hf_model(two), prompts, NEW)

@@ -40,6 +40,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--max-model-len", "64", "--num-kv-blocks", "1"], None, "does not fit the KV cache"),
     (["--prompt", "hi", "--tp", "2"], None, "--prompt runs one process"),
     (["--prompt", "hi"], {"WORLD_SIZE": "2"}, "--prompt runs one process"),
+    (["--prompt", "hi", "--max-model-len", "100000"], None, "exceeds the model's max_position"),
     (["--kv-cache-memory", "inf"], None, "kv_cache_memory must be a positive number"),
     (["--kv-cache-memory", "nan"], None, "kv_cache_memory must be a positive number"),
     (["--device", "foo"], None, "device must be cpu, cuda or cuda:N"),
