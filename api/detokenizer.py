@@ -35,6 +35,54 @@ def _open_character_bytes(data: bytes) -> int:
     return 0
 
 
+# the second byte's range after these lead bytes (Unicode's table 3-7); else 0x80-0xBF
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _utf8_length(lead: int) -> int:
+    """The bytes of the character a lead byte begins (0: not a lead byte)."""
+    return 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 \
+        else 4 if 0xF0 <= lead < 0xF5 else 0
+
+
+class TextOffsets:
+    """Where each token's text begins in the text of a sequence of tokens, from the tokens'
+    bytes (OpenAI's text_offset), counting characters as a tokenizer's decode writes them:
+    UTF-8, with one U+FFFD for each maximal run of bytes that does not make a character.
+    The tokens of one character all start where it does; a token after bytes that never
+    made a character starts after their U+FFFD."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # an unfinished character's bytes so far
+        self._chars = 0  # characters before them
+
+    def add(self, data: bytes) -> int:
+        """The next token's offset, given its bytes (b"" for a token whose text is left out)."""
+        offset = self._chars + (bool(self._pending) and bool(data)
+                                and not self._continues(data[0]))
+        for byte in data:
+            self._add_byte(byte)
+        return offset
+
+    def _continues(self, byte: int) -> bool:
+        lo, hi = _SECOND_BYTE.get(self._pending[0], (0x80, 0xBF)) if len(self._pending) == 1 \
+            else (0x80, 0xBF)
+        return lo <= byte <= hi
+
+    def _add_byte(self, byte: int) -> None:
+        if self._pending:
+            if self._continues(byte):
+                self._pending += bytes([byte])
+                if len(self._pending) == _utf8_length(self._pending[0]):
+                    self._chars, self._pending = self._chars + 1, b""
+                return
+            self._chars, self._pending = self._chars + 1, b""  # their U+FFFD
+        if _utf8_length(byte) > 1:
+            self._pending = bytes([byte])
+        else:
+            self._chars += 1  # a character, or a U+FFFD for a byte no character begins with
+
+
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 

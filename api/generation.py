@@ -11,11 +11,11 @@ waits for its sequence's final output, which carries the value. Engine errors af
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from api import wire
-from api.detokenizer import IncrementalDetokenizer, StopChecker
+from api.detokenizer import IncrementalDetokenizer, StopChecker, TextOffsets
 from api.engine_client import EngineError, RequestGroup
 from api.metrics import ApiMetrics
 from api.tokenizer import TextTokenizer
@@ -31,6 +31,7 @@ class ChoiceDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list]] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # each token's, in the choice's text
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as Choice.stop_reason, once finished
 
@@ -48,12 +49,20 @@ class Choice:
     # length limit and the rest
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    offsets: list[int] = field(default_factory=list)  # each token's text_offset, uncut
+    offset_counter: TextOffsets = field(default_factory=TextOffsets)
     custom_output: dict | None = None  # the sequence's own value (LAST_GENERATED)
     _encoded: dict[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
         return self.detok.text
+
+    @property
+    def text_offsets(self) -> list[int]:
+        """Where each token's text begins in self.text (a token past a stop-string cut: at
+        its end)."""
+        return [min(offset, len(self.text)) for offset in self.offsets]
 
     def encoded_value(self, encoding: str) -> Any:
         """The choice's value as sent to clients: its own (LAST_GENERATED) or else its
@@ -104,13 +113,15 @@ def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
     for d in deltas:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids), list(d.logprobs),
-                                          list(d.top_logprobs), d.finish_reason, d.stop_reason)
+            merged[d.index] = replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs),
+                                      top_logprobs=list(d.top_logprobs),
+                                      text_offsets=list(d.text_offsets))
             continue
         m.text += d.text
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs
         m.top_logprobs += d.top_logprobs
+        m.text_offsets += d.text_offsets
         m.finish_reason = d.finish_reason or m.finish_reason
         m.stop_reason = d.stop_reason if d.finish_reason else m.stop_reason
     return [merged[i] for i in sorted(merged)]
@@ -181,6 +192,9 @@ class Generation:
             used += 1
             choice.detok.drop_held()
         delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
+        delta.text_offsets = [choice.offset_counter.add(self._shown_bytes(t, p))
+                              for t in delta.token_ids]
+        choice.offsets += delta.text_offsets
         if seq.new_logprobs:
             delta.logprobs = seq.new_logprobs[:used]
             delta.top_logprobs = (seq.new_top_logprobs or [[] for _ in delta.logprobs])[:used]
@@ -198,8 +212,17 @@ class Generation:
         if choice.finish_reason == "stop":
             choice.stop_reason = self._stop_reason(choice, p)
         delta.finish_reason, delta.stop_reason = choice.finish_reason, choice.stop_reason
+        if choice.finish_reason:  # the final text may hold less (held bytes dropped, a cut)
+            delta.text_offsets = [min(o, len(choice.text)) for o in delta.text_offsets]
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta
+
+    def _shown_bytes(self, token: int, p: SamplingParams) -> bytes:
+        """The bytes a token adds to its choice's text (none for a special token the text
+        leaves out)."""
+        if p.skip_special_tokens and token in self.tokenizer.special_ids:
+            return b""
+        return self.tokenizer.token_bytes(token)
 
     def _stop_reason(self, choice: Choice, p: SamplingParams) -> int | str | None:
         """What ended a choice that finished with "stop", as vLLM says it: the stop string

@@ -41,20 +41,20 @@ def _extra(encoded: Any) -> dict:
 
 # ---- logprobs ----------------------------------------------------------------------------
 def _completion_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
-                         tops: list[list[list]], offset: int) -> dict:
-    tok = state.tokenizer
-    tokens = [tok.token_str(t) for t in token_ids]
+                         tops: list[list[list]], offsets: list[int]) -> dict:
+    """Legacy completions logprobs. A token that is part of a character is written
+    `bytes:\\xNN...`, as OpenAI's legacy API writes it, so that such tokens stay distinct
+    keys of top_logprobs (as U+FFFD text they overwrote each other, the sampled one's too);
+    text_offset is where each token's text begins in the choice's text."""
+    name = state.tokenizer.legacy_token_str
     top_dicts = []
     for token, lp, top in zip(token_ids, logprobs, tops):
-        entry = {tok.token_str(t): finite_logprob(v) for t, v in top}
-        entry.setdefault(tok.token_str(token), finite_logprob(lp))
+        entry = {name(t): finite_logprob(v) for t, v in top}
+        entry.setdefault(name(token), finite_logprob(lp))
         top_dicts.append(entry)
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [finite_logprob(v) for v in logprobs],
-            "top_logprobs": top_dicts, "text_offset": offsets}
+    return {"tokens": [name(t) for t in token_ids],
+            "token_logprobs": [finite_logprob(v) for v in logprobs],
+            "top_logprobs": top_dicts, "text_offset": list(offsets)}
 
 
 def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
@@ -100,12 +100,11 @@ class _Shape:
         self.want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         self.num_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         self.started: set[int] = set()
-        self.offsets: dict[int, int] = {}
 
     def full_choice(self, c: Choice) -> dict:
         out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
                                "stop_reason": c.stop_reason}
-        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.index) \
+        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.text_offsets) \
             if self.want_logprobs else None
         if self.chat:
             out["message"] = {"role": "assistant", "content": c.text}
@@ -124,18 +123,15 @@ class _Shape:
             out["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         else:
             out["text"] = d.text
-        out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.index) \
+        out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.text_offsets) \
             if self.want_logprobs else None
         out["finish_reason"], out["stop_reason"] = d.finish_reason, d.stop_reason
         return {**out, **_extra(value)}
 
-    def _logprobs(self, ids: list[int], lps: list[float], tops: list, index: int) -> dict:
+    def _logprobs(self, ids: list[int], lps: list[float], tops: list, offsets: list[int]) -> dict:
         if self.chat:
             return _chat_logprobs(self.state, ids, lps, tops, self.num_top)
-        offset = self.offsets.get(index, 0)
-        result = _completion_logprobs(self.state, ids, lps, tops, offset)
-        self.offsets[index] = offset + sum(len(t) for t in result["tokens"])
-        return result
+        return _completion_logprobs(self.state, ids, lps, tops, offsets)
 
 
 async def _respond(request: Request, state: AppState, generation: Generation, body: Any,

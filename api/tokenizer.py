@@ -179,6 +179,17 @@ class TextTokenizer:
                 pass
         return self.token_str(token_id).encode("utf-8")
 
+    def legacy_token_str(self, token_id: int) -> str:
+        """The token as legacy completions logprobs name it: its text, or, for a token whose
+        bytes are not whole UTF-8 (part of a character), `bytes:` and its bytes as `\\xNN`
+        escapes, as OpenAI's legacy API writes such tokens."""
+        data = self.token_bytes(token_id)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return self.token_str(token_id)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             template_kwargs: dict[str, Any] | None = None) -> str:
         """Render the chat template with the client's extra variables (template_kwargs);

@@ -9,7 +9,8 @@ bytes; JSON types are checked strictly (as OpenAI). The 15th session's: a tiny t
 sampling token 0, unchecked logit_bias values, null rejected for nullable fields, the default
 max_tokens refused where it did not fit, and smaller gaps. The 16th session's: continuous
 usage summing every choice, and continue_final_message with an explicit
-add_generation_prompt. The 17th session's: text parts glued together."""
+add_generation_prompt. The 17th session's: text parts glued together, completions logprobs
+over characters split across tokens."""
 from __future__ import annotations
 
 import re
@@ -300,3 +301,39 @@ def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model)
     assert card.json() == http.get("/v1/models").json()["data"][0]
     assert http.get("/v1/models/no-such-model").status_code == 404
 
+
+def test_completion_logprobs_over_characters_split_across_tokens(http, model):
+    """The demo model emits byte tokens, parts of one character. Each text_offset is where
+    its token's text begins in the choice's text (they drifted by one per such character);
+    such tokens are named `bytes:\\xNN` as OpenAI's legacy API names them, so top_logprobs
+    keeps every entry and the sampled token's own logprob (as U+FFFD text they overwrote
+    one another). Streamed equals non-streamed."""
+    body = {"model": model, "prompt": ["Café in 中国 é", "naïve résumé 日本語"], "n": 8,
+            "max_tokens": 60, "temperature": 1.2, "seed": 1, "logprobs": 5}
+    full = http.post("/v1/completions", json=body).json()["choices"]
+    split = 0
+    for c in full:
+        text, lp = c["text"], c["logprobs"]
+        assert lp["text_offset"] == sorted(lp["text_offset"]), c["index"]
+        rows = list(zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"], lp["token_logprobs"]))
+        for k, (token, offset, top, own) in enumerate(rows):
+            assert len(top) in (5, 6) and top[token] == own, (c["index"], k, token, top)
+            if token.startswith("bytes:"):
+                split += 1
+            elif not (k == len(rows) - 1 and c["finish_reason"] == "stop"):  # (an EOS' text)
+                assert text.startswith(token, offset), (c["index"], k, token, offset)
+    assert split > 10  # the case is exercised
+    streamed: dict[int, dict] = {}
+    for chunk in sse_json(sse_events(http.post("/v1/completions", json={**body, "stream": True}))):
+        for ch in chunk["choices"]:
+            s = streamed.setdefault(ch["index"], {"tokens": [], "text_offset": [], "top": []})
+            lp = ch["logprobs"] or {"tokens": [], "text_offset": [], "top_logprobs": []}
+            s["tokens"] += lp["tokens"]
+            s["text_offset"] += lp["text_offset"]
+            s["top"] += lp["top_logprobs"]
+    for c in full:  # (another run's batches: logprobs equal up to float noise)
+        s = streamed[c["index"]]
+        assert (s["tokens"], s["text_offset"]) == (c["logprobs"]["tokens"],
+                                                   c["logprobs"]["text_offset"])
+        for got, want in zip(s["top"], c["logprobs"]["top_logprobs"]):
+            assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in got)

@@ -157,6 +157,30 @@ def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
     assert "".join(pieces).endswith("b\xe9\U0001f600a")
 
 
+def test_text_offsets_count_characters_as_a_lossy_utf8_decode():
+    """TextOffsets over random bytes split into random tokens: the offsets never fall, a
+    token that begins with an ASCII character starts where a UTF-8 decode with U+FFFD (one
+    per maximal bad run) puts it, and the count agrees with Python's decode."""
+    import random
+
+    from api.detokenizer import TextOffsets
+    rng = random.Random(3)
+    pool = b"ab\xc3\xa9\xe4\xb8\xad\xed\x9f\xbf\xa0\xf0\x9f\x98\x80\xf4\x8f\x90\xe0\xff"
+    for _ in range(3000):
+        data = bytes(rng.choice(pool) for _ in range(rng.randint(1, 16)))
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, len(data) - 1)))
+        tokens = [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)])]
+        counter, offsets = TextOffsets(), []
+        for token in tokens:
+            offsets.append(counter.add(token))
+        assert offsets == sorted(offsets)
+        text = data.decode("utf-8", "replace")
+        for token, offset in zip(tokens, offsets):
+            if token[0] < 0x80:  # an ASCII start: the character is exactly there
+                assert text[offset] == chr(token[0]), (data, tokens, offsets)
+        assert counter.add(b"a") == len(text)
+
+
 def test_detokenizer_drops_held_bytes_of_a_left_out_token(tok):
     """A stop token id whose text is left out ends the sequence: the bytes held for the
     character it would have completed are dropped, not flushed as U+FFFD."""
