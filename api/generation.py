@@ -192,9 +192,10 @@ class Generation:
             used += 1
             choice.detok.drop_held()
         delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
-        delta.text_offsets = [choice.offset_counter.add(self._shown_bytes(t, p))
-                              for t in delta.token_ids]
-        choice.offsets += delta.text_offsets
+        if p.logprobs:  # (text_offset is only sent with logprobs)
+            delta.text_offsets = [choice.offset_counter.add(self._shown_bytes(t, p))
+                                  for t in delta.token_ids]
+            choice.offsets += delta.text_offsets
         if seq.new_logprobs:
             delta.logprobs = seq.new_logprobs[:used]
             delta.top_logprobs = (seq.new_top_logprobs or [[] for _ in delta.logprobs])[:used]
