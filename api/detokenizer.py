@@ -52,8 +52,11 @@ class TextOffsets:
     The tokens of one character all start where it does; a token after bytes that never
     made a character starts after their U+FFFD."""
 
-    def __init__(self) -> None:
-        self._pending = b""  # an unfinished character's bytes so far
+    def __init__(self, prompt_open: bytes = b"") -> None:
+        """prompt_open: the first bytes of a character the prompt leaves unfinished; output
+        bytes that finish it (or its U+FFFD) are the prompt's text, not the output's."""
+        self._pending = prompt_open  # an unfinished character's bytes so far
+        self._owned = bool(prompt_open)  # ... and they are the prompt's
         self._chars = 0  # characters before them
 
     def add(self, data: bytes) -> int:
@@ -74,13 +77,24 @@ class TextOffsets:
             if self._continues(byte):
                 self._pending += bytes([byte])
                 if len(self._pending) == _utf8_length(self._pending[0]):
-                    self._chars, self._pending = self._chars + 1, b""
+                    self._end_pending()
                 return
-            self._chars, self._pending = self._chars + 1, b""  # their U+FFFD
+            self._end_pending()  # their U+FFFD
         if _utf8_length(byte) > 1:
             self._pending = bytes([byte])
         else:
             self._chars += 1  # a character, or a U+FFFD for a byte no character begins with
+
+    def _end_pending(self) -> None:
+        """The unfinished character is done (a character, or a U+FFFD for its bytes)."""
+        self._chars += not self._owned
+        self._pending, self._owned = b"", False
+
+
+def open_character_bytes(token_bytes: list[bytes]) -> bytes:
+    """The bytes of a character that the last of these tokens leave unfinished (b"")."""
+    tail = b"".join(token_bytes[-3:])
+    return tail[len(tail) - _open_character_bytes(tail):] if _open_character_bytes(tail) else b""
 
 
 class Decoder(Protocol):
@@ -198,11 +212,11 @@ class IncrementalDetokenizer:
         """When giving up on held tokens: keep back the last one to three of them if their
         bytes end in a character's first bytes, which the next token may complete (flushed,
         their U+FFFD would stand for good and the completed character be lost); the text
-        before them goes out. Only where the decoder tells a token's bytes (byte-level BPE:
-        TextTokenizer.token_bytes), where a window may end inside a character."""
-        token_bytes = getattr(self.decoder, "token_bytes", None)
-        if token_bytes is None:
-            return end, full
+        before them goes out. Only for a byte-level BPE decoder (TextTokenizer.byte_level),
+        whose decode of a window may end inside a character and go on from there."""
+        if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
+            return end, full  # decodes as a whole: cut, it would read differently)
+        token_bytes = self.decoder.token_bytes
         last = [token_bytes(t) for t in self._ids[max(end - 3, self._read_offset + 1):end]]
         opened = _open_character_bytes(b"".join(last))
         k, held_bytes = 0, 0

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from api import wire
-from api.detokenizer import IncrementalDetokenizer, StopChecker, TextOffsets
+from api.detokenizer import (IncrementalDetokenizer, StopChecker, TextOffsets,
+                             open_character_bytes)
 from api.engine_client import EngineError, RequestGroup
 from api.metrics import ApiMetrics
 from api.tokenizer import TextTokenizer
@@ -172,7 +173,9 @@ class Generation:
             detok = IncrementalDetokenizer(self.tokenizer, state.prompt_ids, p.skip_special_tokens,
                                            StopChecker(p.stop, p.include_stop_str_in_output,
                                                        p.min_tokens))
-            state.choices[seq_index] = Choice(state.first_index + seq_index, state, detok)
+            state.choices[seq_index] = Choice(
+                state.first_index + seq_index, state, detok,
+                offset_counter=TextOffsets(self._open_prompt_bytes(state.prompt_ids, p)))
         return state.choices[seq_index]
 
     def _apply_sequence(self, state: PromptState, seq: wire.SequenceOutput) -> ChoiceDelta | None:
@@ -217,6 +220,13 @@ class Generation:
             delta.text_offsets = [min(o, len(choice.text)) for o in delta.text_offsets]
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta
+
+    def _open_prompt_bytes(self, prompt_ids: list[int], p: SamplingParams) -> bytes:
+        """The first bytes of a character the prompt leaves unfinished (b"" when it does not,
+        or when no text offsets are counted)."""
+        if not p.logprobs:
+            return b""
+        return open_character_bytes([self._shown_bytes(t, p) for t in prompt_ids[-3:]])
 
     def _shown_bytes(self, token: int, p: SamplingParams) -> bytes:
         """The bytes a token adds to its choice's text (none for a special token the text

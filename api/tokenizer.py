@@ -66,6 +66,21 @@ def _token_text(entry: Any) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
+def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
+    """(the model falls back to `<0xNN>` byte entries, the word mark its decoder turns into a
+    space, or None): how a SentencePiece-style tokenizer.json spells a token's bytes."""
+    spec = json.loads(tokenizer.to_str())
+    steps = spec.get("decoder") or {}
+    steps = steps.get("decoders", [steps]) if isinstance(steps, dict) else []
+    mark = None
+    for step in steps:
+        if step.get("type") == "Metaspace":
+            mark = step.get("replacement", "\u2581")
+        elif step.get("type") == "Replace" and step.get("content") == " ":
+            mark = (step.get("pattern") or {}).get("String") or mark
+    return bool((spec.get("model") or {}).get("byte_fallback")), mark
+
+
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
@@ -131,6 +146,7 @@ class TextTokenizer:
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._added_ids = set(tokenizer.get_added_tokens_decoder())
+        self._byte_fallback, self._word_mark = _sentencepiece_layout(tokenizer)
 
     @classmethod
     def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> "TextTokenizer":
@@ -146,6 +162,11 @@ class TextTokenizer:
     def eos_token_id(self) -> int | None:
         """The tokenizer's own EOS token (its config's eos_token), or None."""
         return None if self.eos_token is None else self.tokenizer.token_to_id(self.eos_token)
+
+    @property
+    def byte_level(self) -> bool:
+        """A byte-level BPE vocabulary (GPT-2's byte-to-unicode map): every token is bytes."""
+        return self._byte_level
 
     @property
     def vocab_size(self) -> int:
@@ -169,14 +190,24 @@ class TextTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (OpenAI's logprobs `bytes`), which may be part of a
         character: in a byte-level BPE vocabulary each character of an entry stands for one
-        byte (GPT-2's byte-to-unicode map); added tokens, and other vocabularies, give the
-        UTF-8 of the token's text."""
+        byte (GPT-2's byte-to-unicode map); in a SentencePiece one a `<0xNN>` byte-fallback
+        entry is that byte, and the word mark (U+2581) a space; added tokens, and other
+        vocabularies, give the UTF-8 of the token's text."""
         piece = self.tokenizer.id_to_token(token_id)
-        if self._byte_level and piece is not None and token_id not in self._added_ids:
+        if piece is None or token_id in self._added_ids:
+            return self.token_str(token_id).encode("utf-8")
+        if self._byte_level:
             try:
                 return bytes(_BYTE_OF_CHAR[c] for c in piece)
             except KeyError:  # not a byte-level entry after all
                 pass
+        if self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece[-1] == ">":
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._word_mark:
+            return piece.replace(self._word_mark, " ").encode("utf-8")
         return self.token_str(token_id).encode("utf-8")
 
     def legacy_token_str(self, token_id: int) -> str:
@@ -185,10 +216,9 @@ class TextTokenizer:
         escapes, as OpenAI's legacy API writes such tokens."""
         data = self.token_bytes(token_id)
         try:
-            data.decode("utf-8")
+            return data.decode("utf-8")  # (a SentencePiece word's leading space included)
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-        return self.token_str(token_id)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             template_kwargs: dict[str, Any] | None = None) -> str:

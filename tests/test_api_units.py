@@ -133,21 +133,26 @@ def test_detokenizer_text_equals_a_full_decode_whatever_the_bytes(tok):
         assert "".join(pieces) == want, ids
 
 
-def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
-    """A SentencePiece byte-fallback vocabulary (Llama 2's decoder chain), where a run of
-    byte tokens decodes as a whole: the text after seven stray bytes, a split character and
-    emoji comes out as a full decode shows it. (The first version of the give-up hold-back
-    cut such a run and lost everything after it; a review's find.)"""
+def _sentencepiece_tokenizer():
+    """A SentencePiece byte-fallback vocabulary with Llama 2's decoder chain (byte runs
+    decode as a whole; U+2581 marks a word's space), and its vocab."""
     from tokenizers import Tokenizer, decoders, models
 
     from api.tokenizer import TextTokenizer
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for word in ("\u2581hello", "\u2581world", "b", "a"):
+    for word in ("\u2581hello", "\u2581world", "\u2581caf", "b", "a"):
         vocab[word] = len(vocab)
     sp = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
     sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok = TextTokenizer(sp, {"eos_token": "</s>"}, None)
+    return TextTokenizer(sp, {"eos_token": "</s>"}, None), vocab
+
+
+def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
+    """With byte-fallback runs, the text after seven stray bytes, a split character and
+    emoji comes out as a full decode shows it. (The first version of the give-up hold-back
+    cut such a run and lost everything after it; a review's find.)"""
+    tok, vocab = _sentencepiece_tokenizer()
     emoji = [3 + b for b in "😀".encode()]
     ids = [vocab["\u2581hello"], *[3 + 0x8C] * 7, 3 + 0xD8, 3 + 0x9C, *emoji, *emoji,
            vocab["b"], *[3 + b for b in "é".encode()], *emoji, vocab["a"]]
@@ -155,6 +160,34 @@ def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
     pieces, _ = _stream(tok, ids, prompt=prompt)
     assert "".join(pieces) == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
     assert "".join(pieces).endswith("b\xe9\U0001f600a")
+
+
+def test_text_offsets_of_sentencepiece_tokens_and_open_prompts(tok):
+    """text_offset from token bytes where a SentencePiece vocabulary spells them (a <0xNN>
+    entry is that byte, U+2581 a space), names for partial tokens (bytes:\\xNN), and a
+    prompt that ends inside a character whose last bytes the output brings (they are the
+    prompt's text, not counted). Review finds: offsets drifted, byte tokens shared a name."""
+    from api.detokenizer import IncrementalDetokenizer, TextOffsets, open_character_bytes
+    sp, vocab = _sentencepiece_tokenizer()
+    prompt = [vocab["\u2581hello"]]
+    ids = [vocab["\u2581world"], vocab["\u2581caf"], 3 + 0xC3, 3 + 0xA9, vocab["b"],
+           vocab["\u2581world"]]
+    names = [sp.legacy_token_str(t) for t in ids]
+    assert names == [" world", " caf", "bytes:\\xc3", "bytes:\\xa9", "b", " world"]
+    counter = TextOffsets(open_character_bytes([sp.token_bytes(t) for t in prompt]))
+    offsets = [counter.add(sp.token_bytes(t)) for t in ids]
+    text = sp.decode(prompt + ids)[len(sp.decode(prompt)):]
+    assert offsets == [0, 6, 10, 10, 11, 12] and text == " world caféb world"
+    assert all(text.startswith(n, o) for n, o in zip(names, offsets) if not n.startswith("bytes:"))
+    # byte-level BPE, a prompt ending with two of the three bytes of 中
+    zhong = tok.encode("中")
+    prompt, out = tok.encode("Say:") + zhong[:2], [zhong[2]] + tok.encode("ab")
+    counter = TextOffsets(open_character_bytes([tok.token_bytes(t) for t in prompt]))
+    offsets = [counter.add(tok.token_bytes(t)) for t in out]
+    d = IncrementalDetokenizer(tok, prompt, True)
+    d.add_tokens(out)
+    d.finish()
+    assert d.text == "ab" and offsets[1:] == [0, 1][:len(out) - 1]
 
 
 def test_text_offsets_count_characters_as_a_lossy_utf8_decode():
