@@ -61,7 +61,7 @@ class TextOffsets:
 
     def add(self, data: bytes) -> int:
         """The next token's offset, given its bytes (b"" for a token whose text is left out)."""
-        offset = self._chars + (bool(self._pending) and bool(data)
+        offset = self._chars + (bool(self._pending) and not self._owned and bool(data)
                                 and not self._continues(data[0]))
         for byte in data:
             self._add_byte(byte)

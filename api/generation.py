@@ -233,7 +233,7 @@ class Generation:
         leaves out)."""
         if p.skip_special_tokens and token in self.tokenizer.special_ids:
             return b""
-        return self.tokenizer.token_bytes(token)
+        return self.tokenizer.text_bytes(token)
 
     def _stop_reason(self, choice: Choice, p: SamplingParams) -> int | str | None:
         """What ended a choice that finished with "stop", as vLLM says it: the stop string

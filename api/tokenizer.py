@@ -78,7 +78,9 @@ def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
             mark = step.get("replacement", "\u2581")
         elif step.get("type") == "Replace" and step.get("content") == " ":
             mark = (step.get("pattern") or {}).get("String") or mark
-    return bool((spec.get("model") or {}).get("byte_fallback")), mark
+    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) \
+        and any(step.get("type") == "ByteFallback" for step in steps)
+    return byte_fallback, mark
 
 
 def _raise_exception(message: str) -> None:
@@ -188,19 +190,25 @@ class TextTokenizer:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes (OpenAI's logprobs `bytes`), which may be part of a
+        """One token's own bytes (OpenAI's chat logprobs `bytes`), which may be part of a
         character: in a byte-level BPE vocabulary each character of an entry stands for one
-        byte (GPT-2's byte-to-unicode map); in a SentencePiece one a `<0xNN>` byte-fallback
-        entry is that byte, and the word mark (U+2581) a space; added tokens, and other
-        vocabularies, give the UTF-8 of the token's text."""
+        byte (GPT-2's byte-to-unicode map); added tokens, and other vocabularies, give the
+        UTF-8 of the token's text (token_str)."""
         piece = self.tokenizer.id_to_token(token_id)
-        if piece is None or token_id in self._added_ids:
-            return self.token_str(token_id).encode("utf-8")
-        if self._byte_level:
+        if self._byte_level and piece is not None and token_id not in self._added_ids:
             try:
                 return bytes(_BYTE_OF_CHAR[c] for c in piece)
             except KeyError:  # not a byte-level entry after all
                 pass
+        return self.token_str(token_id).encode("utf-8")
+
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to a decoded text (for text offsets): token_bytes, but in a
+        SentencePiece vocabulary a `<0xNN>` byte-fallback entry is that byte and the word
+        mark (U+2581) a space, where token_str, decoding the token alone, drops both."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if self._byte_level or piece is None or token_id in self._added_ids:
+            return self.token_bytes(token_id)
         if self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece[-1] == ">":
             try:
                 return bytes([int(piece[3:5], 16)])
@@ -214,7 +222,7 @@ class TextTokenizer:
         """The token as legacy completions logprobs name it: its text, or, for a token whose
         bytes are not whole UTF-8 (part of a character), `bytes:` and its bytes as `\\xNN`
         escapes, as OpenAI's legacy API writes such tokens."""
-        data = self.token_bytes(token_id)
+        data = self.text_bytes(token_id)
         try:
             return data.decode("utf-8")  # (a SentencePiece word's leading space included)
         except UnicodeDecodeError:

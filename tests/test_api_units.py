@@ -174,8 +174,8 @@ def test_text_offsets_of_sentencepiece_tokens_and_open_prompts(tok):
            vocab["\u2581world"]]
     names = [sp.legacy_token_str(t) for t in ids]
     assert names == [" world", " caf", "bytes:\\xc3", "bytes:\\xa9", "b", " world"]
-    counter = TextOffsets(open_character_bytes([sp.token_bytes(t) for t in prompt]))
-    offsets = [counter.add(sp.token_bytes(t)) for t in ids]
+    counter = TextOffsets(open_character_bytes([sp.text_bytes(t) for t in prompt]))
+    offsets = [counter.add(sp.text_bytes(t)) for t in ids]
     text = sp.decode(prompt + ids)[len(sp.decode(prompt)):]
     assert offsets == [0, 6, 10, 10, 11, 12] and text == " world caféb world"
     assert all(text.startswith(n, o) for n, o in zip(names, offsets) if not n.startswith("bytes:"))
@@ -188,6 +188,9 @@ def test_text_offsets_of_sentencepiece_tokens_and_open_prompts(tok):
     d.add_tokens(out)
     d.finish()
     assert d.text == "ab" and offsets[1:] == [0, 1][:len(out) - 1]
+    # ... and an output that does not finish it: the prompt's U+FFFD is the prompt's text
+    counter = TextOffsets(open_character_bytes([tok.token_bytes(t) for t in prompt]))
+    assert [counter.add(tok.token_bytes(t)) for t in tok.encode("ab cd")][0] == 0
 
 
 def test_text_offsets_count_characters_as_a_lossy_utf8_decode():
