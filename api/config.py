@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 from coordinator.sampling_params import MODEL_DEFAULT_FIELDS
@@ -56,9 +57,10 @@ class ApiConfig:
                 raise ValueError(f"ApiConfig.{name} is out of range: {getattr(self, name)!r}")
         self.default_sampling  # a malformed entry fails here, not in a request
 
-    @property
+    @cached_property
     def default_sampling(self) -> dict[str, float | int]:
-        """sampling_defaults as SamplingParams keyword arguments."""
+        """sampling_defaults as SamplingParams keyword arguments (parsed once: every
+        request's SamplingParams starts from them)."""
         out: dict[str, float | int] = {}
         for entry in self.sampling_defaults:
             name, _, value = entry.partition("=")

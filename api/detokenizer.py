@@ -21,20 +21,6 @@ PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
 _MAX_HELD_TOKENS = 8  # give up waiting for a character to complete after this many tokens
 
 
-def _open_character_bytes(data: bytes) -> int:
-    """How many bytes at the end of data begin a UTF-8 character that more bytes could
-    complete (a lead byte and the continuation bytes after it, fewer than it needs); 0 when
-    data does not end so."""
-    for back in range(1, min(4, len(data) + 1)):
-        byte = data[-back]
-        if 0x80 <= byte < 0xC0:
-            continue  # a continuation byte: its lead is further back
-        need = 2 if 0xC2 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else \
-            4 if 0xF0 <= byte < 0xF5 else 0
-        return back if back < need else 0
-    return 0
-
-
 # the second byte's range after these lead bytes (Unicode's table 3-7); else 0x80-0xBF
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
@@ -43,6 +29,18 @@ def _utf8_length(lead: int) -> int:
     """The bytes of the character a lead byte begins (0: not a lead byte)."""
     return 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 \
         else 4 if 0xF0 <= lead < 0xF5 else 0
+
+
+def _open_character_bytes(data: bytes) -> int:
+    """How many bytes at the end of data begin a UTF-8 character that more bytes could
+    complete (a lead byte and the continuation bytes after it, fewer than it needs); 0 when
+    data does not end so."""
+    for back in range(1, min(4, len(data) + 1)):
+        byte = data[-back]
+        if 0x80 <= byte < 0xC0:
+            continue  # a continuation byte: its lead is further back
+        return back if back < _utf8_length(byte) else 0
+    return 0
 
 
 class TextOffsets:
@@ -94,7 +92,8 @@ class TextOffsets:
 def open_character_bytes(token_bytes: list[bytes]) -> bytes:
     """The bytes of a character that the last of these tokens leave unfinished (b"")."""
     tail = b"".join(token_bytes[-3:])
-    return tail[len(tail) - _open_character_bytes(tail):] if _open_character_bytes(tail) else b""
+    opened = _open_character_bytes(tail)
+    return tail[len(tail) - opened:] if opened else b""
 
 
 class Decoder(Protocol):

@@ -2,7 +2,6 @@
 builds a rank's model runner and rank 0's engine from it."""
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
