@@ -60,9 +60,9 @@ class TorchrunServer:
                 return int(pid)
         raise AssertionError(f"rank {rank} not found")
 
-    def complete(self) -> str:
+    def complete(self) -> tuple[int, dict]:
         r = httpx.post(self.url + "/v1/completions", timeout=60,
-                       json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 4})
+                       json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
         return r.status_code, r.json()
 
     def wait_exit(self, timeout: float) -> tuple[int, float]:
