@@ -27,9 +27,8 @@ from pydantic import Field
 
 from api.errors import ApiError, invalid
 from api.generation import Choice, Generation
-from api.openai_schemas import ChatMessage, StrictModel
+from api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
 from api.state import AppState, race_disconnect, sse
-from api.tokenizer import ChatTemplateError
 from api.values import encode_value
 from coordinator.sampling_params import SamplingParams
 
@@ -98,12 +97,10 @@ class CustomOutputRequest(StrictModel):
     custom_output_encoding: Literal["json", "base64"] = "json"
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(StrictModel):
@@ -121,19 +118,10 @@ def _one_source(body: Any) -> None:
         raise invalid("give exactly one of prompt, input_ids, messages", "prompt")
 
 
-def _messages_text(state: AppState, messages: list[ChatMessage], add_generation_prompt: bool,
-                   kwargs: dict | None) -> str:
-    try:
-        return state.tokenizer.apply_chat_template([m.template_dict() for m in messages],
-                                                   add_generation_prompt, kwargs)
-    except ChatTemplateError as e:
-        raise invalid(str(e), "messages") from None
-
-
 def _generate_ids(state: AppState, body: GenerateRequest) -> list[int]:
     _one_source(body)
     if body.messages is not None:
-        return state.prompt_ids(_messages_text(state, body.messages, True, None), "messages",
+        return state.prompt_ids(ChatTemplateFields().render(state.tokenizer, body.messages), "messages",
                                 add_special_tokens=False)
     return state.prompt_ids(body.prompt if body.prompt is not None else body.input_ids,
                             "prompt" if body.prompt is not None else "input_ids")
@@ -280,8 +268,7 @@ def build_router() -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt, messages", "prompt")
         if body.messages is not None:
-            text = _messages_text(state, body.messages, body.add_generation_prompt,
-                                  body.chat_template_kwargs)
+            text = body.render(state.tokenizer, body.messages)
             ids = state.encode(text, "messages", add_special_tokens=False)
         else:
             ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)

@@ -20,7 +20,6 @@ from api.errors import ApiError, invalid
 from api.generation import Choice, ChoiceDelta, Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from api.state import AppState, sse
-from api.tokenizer import ChatTemplateError
 from api.values import finite_logprob
 
 
@@ -171,27 +170,12 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
 
 # ---- routes ------------------------------------------------------------------------------
 def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
-    messages = [m.template_dict() for m in body.messages]
-    if body.continue_final_message and body.add_generation_prompt \
-            and "add_generation_prompt" in body.model_fields_set:  # as vLLM: ambiguous
-        raise invalid("cannot set both continue_final_message and add_generation_prompt",
-                      "add_generation_prompt")
-    add_gen = body.add_generation_prompt and not body.continue_final_message
-    try:
-        text = state.tokenizer.apply_chat_template(messages, add_gen, body.chat_template_kwargs)
-    except ChatTemplateError as e:
-        raise invalid(str(e), "messages") from None
-    if body.continue_final_message:
-        final = messages[-1]["content"]
-        cut = text.rfind(final)
-        if messages[-1]["role"] != "assistant" or cut < 0:
-            raise invalid("continue_final_message needs a final assistant message", "messages")
-        text = text[:cut + len(final)]
-    return state.prompt_ids(text, "messages", add_special_tokens=False)
+    return state.prompt_ids(body.render(state.tokenizer, body.messages), "messages",
+                            add_special_tokens=False)
 
 
 def _model_card(state: AppState) -> dict:
-    return {"id": state.config.served_model_name, "object": "model", "created": 0,
+    return {"id": state.config.served_model_name, "object": "model", "created": state.created,
             "owned_by": "tapserve", "max_model_len": state.config.max_model_len}
 
 

@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import invalid
+from api.tokenizer import ChatTemplateError, TextTokenizer
 
 
 class StrictModel(BaseModel):
@@ -160,16 +161,36 @@ class ResponseFormat(StrictModel):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatTemplateFields(StrictModel):
+    """How a request's messages become prompt text (vLLM's fields of these names)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def render(self, tokenizer: TextTokenizer, messages: list[ChatMessage]) -> str:
+        """The templated text; a 605 on "messages" when the template fails, and on
+        add_generation_prompt when it is set explicitly with continue_final_message (as
+        vLLM: ambiguous). Continuing the final message turns the generation prompt off."""
+        if self.continue_final_message and self.add_generation_prompt \
+                and "add_generation_prompt" in self.model_fields_set:
+            raise invalid("cannot set both continue_final_message and add_generation_prompt",
+                          "add_generation_prompt")
+        try:
+            return tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages],
+                self.add_generation_prompt and not self.continue_final_message,
+                self.chat_template_kwargs, self.continue_final_message)
+        except ChatTemplateError as e:
+            raise invalid(str(e), "messages") from None
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -68,6 +69,7 @@ class AppState:
     tokenizer: TextTokenizer
     client: EngineClient
     metrics: ApiMetrics
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's "created"
 
     # ---- checks ----------------------------------------------------------------------
     def admit(self, num_requests: int, param: str = "prompt") -> None:

@@ -3,7 +3,8 @@
 transformers 5 imports torch when it loads a tokenizer (and takes seconds), so the API process
 reads the checkpoint's `tokenizer.json` with the `tokenizers` library and renders the chat
 template with jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_blocks,
-`raise_exception`, `strftime_now`, `tojson`). The template comes from `--chat-template FILE`,
+`raise_exception`, `strftime_now`, `tojson`, the `{% generation %}` block, `tools` and
+`documents` None, `continue_final_message` cut at a tag appended to the last message). The template comes from `--chat-template FILE`,
 else `chat_template.jinja` (transformers 5), else `tokenizer_config.json["chat_template"]`.
 Templated text is tokenized without adding special tokens (the template holds them).
 """
@@ -15,8 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
@@ -27,6 +28,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # what the server passes to every chat template: chat_template_kwargs may not replace them
 _SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "self",
                                         *SPECIAL_TOKEN_NAMES})
+# appended to the message continue_final_message continues; the render is cut where it lies
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _char_to_byte() -> dict[str, int]:
@@ -81,6 +84,20 @@ def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
     byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) \
         and any(step.get("type") == "ByteFallback" for step in steps)
     return byte_fallback, mark
+
+
+class _GenerationBlock(Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant text for
+    training masks): rendered as its body, in its own scope as transformers renders it."""
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
 
 
 def _raise_exception(message: str) -> None:
@@ -140,7 +157,7 @@ class TextTokenizer:
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                  extensions=[loopcontrols])
+                                                  extensions=[loopcontrols, _GenerationBlock])
         self._env.filters["tojson"] = _tojson
         self._env.globals["raise_exception"] = _raise_exception
         self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -229,10 +246,12 @@ class TextTokenizer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None) -> str:
+                            template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> str:
         """Render the chat template with the client's extra variables (template_kwargs);
         raises ChatTemplateError for a missing or failing template, or for variables that
-        would replace the ones the server sets."""
+        would replace the ones the server sets. continue_final_message leaves the last
+        message open: the text ends where its content does, as transformers cuts it."""
         if not self.chat_template:
             raise ChatTemplateError("the model has no chat template; start the server with "
                                     "--chat-template FILE")
@@ -240,11 +259,29 @@ class TextTokenizer:
         taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_VARIABLES)
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ChatTemplateError("continue_final_message needs a final message with text")
+            messages = [*messages[:-1], {**messages[-1],
+                                         "content": messages[-1]["content"] + _CONTINUE_TAG}]
         try:
             if self._template is None:
                 self._template = self._env.from_string(self.chat_template)
             # as transformers: the special tokens the tokenizer sets, the others undefined
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **template_kwargs)
+            text = self._template.render(**{"tools": None, "documents": None, **template_kwargs},
+                                         messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.special_tokens)
         except (TemplateError, TypeError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
+        return _cut_at_continue_tag(text, messages[-1]["content"]) if continue_final_message else text
+
+
+def _cut_at_continue_tag(text: str, tagged_content: str) -> str:
+    """The rendered chat up to the continued message's end, as transformers cuts it: at the
+    tag, with trailing spaces stripped where the template trimmed the tag's own."""
+    final, tag = tagged_content[:-len(_CONTINUE_TAG)], _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ChatTemplateError("continue_final_message: the final message does not appear in "
+                                "the rendered chat (the template drops part of it)")
+    at = text.rindex(tag)
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

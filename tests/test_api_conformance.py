@@ -287,7 +287,12 @@ def test_continue_final_message_with_an_explicit_generation_prompt_is_605(http, 
     body = {"model": model, "messages": messages, "max_tokens": 2, "continue_final_message": True}
     _assert_605(http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}),
                 "both set")
-    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    tokens = http.post("/tokenize", json={"messages": messages, "continue_final_message": True})
+    assert tokens.status_code == 200, tokens.text  # /tokenize takes the field too, as vLLM
+    assert tokens.json()["count"] == r.json()["usage"]["prompt_tokens"]
+    assert "".join(tokens.json()["token_strs"]).endswith("assistant\nHel")  # no end-of-turn
 
 
 def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model):
@@ -298,6 +303,7 @@ def test_stream_options_without_stream_bad_utf8_and_model_retrieval(http, model)
                           headers={"content-type": "application/json"}), "invalid UTF-8")
     card = http.get(f"/v1/models/{model}")
     assert card.status_code == 200 and card.json()["id"] == model
+    assert card.json()["created"] > 1.7e9  # a Unix time, as OpenAI's and vLLM's cards
     assert card.json() == http.get("/v1/models").json()["data"][0]
     assert http.get("/v1/models/no-such-model").status_code == 404
 
