@@ -113,9 +113,11 @@ class _Shape:
         return {**out, **_extra(c.encoded_value(self.body.custom_output_encoding))}
 
     def chunk_choice(self, d: ChoiceDelta, value: Any) -> dict | None:
-        first = d.index not in self.started
-        if not (d.text or d.finish_reason or first or d.token_ids):
+        """A choice's chunk, or None for a delta that carries nothing (a prefill chunk before
+        the last: no tokens yet, as vLLM sends none); the first chunk holds the role."""
+        if not (d.text or d.finish_reason or d.token_ids):
             return None
+        first = d.index not in self.started
         self.started.add(d.index)
         out: dict[str, Any] = {"index": d.index}
         if self.chat:

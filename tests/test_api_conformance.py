@@ -228,6 +228,39 @@ def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
         server.stop()
 
 
+def test_chunked_prefill_streams_no_empty_chunks():
+    """A prompt prefilled in several chunks (budget 16 tokens) streams no chunk before its
+    first token: a max_tokens=0 stream is one chunk with the value, and every chunk of a
+    chat stream carries text or a finish and the value. Each prefill chunk before the last
+    sent an empty chunk without the value."""
+    import json
+
+    from tests.api_helpers import LiveServer
+    server = LiveServer("--max-num-batched-tokens", "16")
+    try:
+        with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+            body = {"model": "tapserve-demo", "prompt": PROMPT * 5, "max_tokens": 0, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                events = sse_events(r)
+            assert events[-1] == "[DONE]" and len(events) == 2, events
+            only = json.loads(events[0])
+            assert only["choices"][0]["finish_reason"] == "length"
+            assert only["extra_outputs"]["custom_output"]
+            body = {"model": "tapserve-demo", "messages": [{"role": "user", "content": PROMPT * 5}],
+                    "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True, "temperature": 0}
+            with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                chunks = sse_json(sse_events(r))
+            assert len(chunks) >= 2
+            for c in chunks:
+                choice = c["choices"][0]
+                assert choice["delta"].get("content") or choice["finish_reason"], c
+                assert c["extra_outputs"]["custom_output"], c
+            firsts = {c["choices"][0]["index"]: c for c in reversed(chunks)}
+            assert all(c["choices"][0]["delta"]["role"] == "assistant" for c in firsts.values())
+    finally:
+        server.stop()
+
+
 # ---- what an outside client found (15th session) -----------------------------------------
 
 def _eos_ids(http) -> list[int]:
