@@ -14,6 +14,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
+# the rope_scaling kinds served, and the fields each needs (as transformers reads them)
+ROPE_SCALING_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "linear": ("factor",),
+}
 
 
 @dataclass
@@ -51,6 +56,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """The config of a checkpoint's config.json; a ValueError for anything it asks that
+        is not served (architecture, activation, rope scaling, sliding windows) or lacks."""
+        try:
+            return cls._from_dict(raw, generation_config)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict, generation_config: dict | None) -> "ModelConfig":
         archs = raw.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -58,16 +72,12 @@ class ModelConfig:
                              f"supported are {sorted(SUPPORTED_ARCHITECTURES)}")
         rope_params = dict(raw.get("rope_parameters") or {})  # transformers 5
         rope_theta = rope_params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
-        rope_scaling = raw.get("rope_scaling") or (rope_params if rope_params else None)
-        if rope_scaling is not None:
-            rope_scaling = dict(rope_scaling)
-            rope_scaling.pop("rope_theta", None)
-            if rope_scaling.get("rope_type", rope_scaling.get("type", "default")) == "default":
-                rope_scaling = None
+        rope_scaling = _rope_scaling(raw.get("rope_scaling") or (rope_params if rope_params else None))
         num_heads = raw["num_attention_heads"]
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' names for SiLU, the only one here
             raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
+        _refuse_sliding_window(raw)
         attention_bias = bool(raw.get("attention_bias", False))
         eos = _as_list(raw.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
         return cls(
@@ -102,6 +112,40 @@ class ModelConfig:
         gen_file = path / "generation_config.json"
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
         return cls.from_dict(json.loads(config_file.read_text()), gen)
+
+
+def _rope_scaling(scaling: dict | None) -> dict | None:
+    """The rope scaling to apply (None for none or "default"); a ValueError for a kind not
+    served or one that lacks a field it needs."""
+    if scaling is None:
+        return None
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ROPE_SCALING_FIELDS:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} "
+                         f"(supported: {', '.join(ROPE_SCALING_FIELDS)})")
+    missing = [f for f in ROPE_SCALING_FIELDS[kind] if not isinstance(scaling.get(f), (int, float))]
+    if missing:
+        raise ValueError(f"config.json {kind} rope scaling lacks a number for {', '.join(missing)}")
+    return scaling
+
+
+def _refuse_sliding_window(raw: dict) -> None:
+    """Sliding-window attention is not served: a config whose layers slide over a window
+    shorter than its context is refused (served as full attention, its tokens would go
+    wrong past the window). The layers slide as transformers' Qwen2/Qwen3 configs say:
+    `layer_types`, else `use_sliding_window` from layer `max_window_layers` (28) on."""
+    window = raw.get("sliding_window")
+    if raw.get("layer_types") is not None:
+        sliding = "sliding_attention" in raw["layer_types"]
+    else:
+        sliding = bool(raw.get("use_sliding_window")) and window is not None \
+            and raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
+    if sliding and (window is None or window < raw.get("max_position_embeddings", 4096)):
+        raise ValueError(f"config.json asks for sliding-window attention (window {window}), "
+                         "which is not supported")
 
 
 def _as_list(value) -> list[int]:

@@ -12,7 +12,8 @@ from torch import nn
 from model.attention import AttentionMetadata, reference_attention, store_kv
 from model.config import ModelConfig
 from model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                          RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding)
+                          RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding,
+                          split_evenly)
 from model.rotary import RotaryEmbedding, rotary_into_cache, rotary_with_qk_norm
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
@@ -89,6 +90,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
+        split_evenly(cfg.intermediate_size, tp.size, "intermediate_size")  # names the field
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp,

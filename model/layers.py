@@ -63,7 +63,8 @@ def _set_weight_loader(param: nn.Parameter, loader) -> None:
     param.weight_loader = loader
 
 
-def _divide(n: int, d: int, what: str) -> int:
+def split_evenly(n: int, d: int, what: str) -> int:
+    """n / d for a dimension split over d ranks; a ValueError naming `what` if it does not divide."""
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
     return n // d
@@ -75,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
         self.tp = tp
-        self.out_per_rank = _divide(out_features, tp.size, "output features")
+        self.out_per_rank = split_evenly(out_features, tp.size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         _set_weight_loader(self.weight, self.weight_loader)
         self.bias = None
@@ -114,9 +115,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  tp: TPGroup, bias: bool = False):
         self.head_dim = head_dim
-        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        self.num_heads = split_evenly(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+            self.num_kv_heads = split_evenly(num_kv_heads, tp.size, "num_key_value_heads")
         elif tp.size % num_kv_heads:
             raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
@@ -148,7 +149,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, bias: bool = False):
         super().__init__()
         self.tp = tp
-        self.in_per_rank = _divide(in_features, tp.size, "input features")
+        self.in_per_rank = split_evenly(in_features, tp.size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         _set_weight_loader(self.weight, self.weight_loader)
         self.bias = None

@@ -224,3 +224,59 @@ def test_layers_past_the_configs_count_are_ignored(tmp_path, prompts) -> None:
     (two / "config.json").write_text(json.dumps(config))
     assert token_ids(run(make_llm(two), prompts, greedy(NEW))) == \
         hf_greedy(hf_model(two), prompts, NEW)
+
+
+def _transformers_config(arch: str, **kwargs) -> dict:
+    """config.json as transformers writes it (save_pretrained's dict) for a tiny model."""
+    from transformers import Qwen2Config, Qwen3Config
+    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config = cls(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 **kwargs)
+    return {**config.to_dict(), "architectures": [cls.__name__.replace("Config", "ForCausalLM")]}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["layer_types", "use_sliding_window"])
+def test_sliding_window_layers_are_refused_where_the_window_is_shorter(arch, legacy) -> None:
+    """A config whose layers slide (as transformers reads it: layer_types, or in the legacy
+    layout use_sliding_window from max_window_layers on) over a window shorter than the
+    context is refused; it was served as full attention, its tokens wrong past the window.
+    Windows that never bind, and Qwen2.5's use_sliding_window false, load."""
+    cases = [(dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), True),
+             (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), True),
+             (dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), False),
+             (dict(use_sliding_window=True, sliding_window=4096, max_window_layers=0), False),
+             (dict(use_sliding_window=False, sliding_window=16, max_window_layers=0), False)]
+    for kwargs, refused in cases:
+        raw = _transformers_config(arch, **kwargs)
+        assert refused == ("sliding_attention" in raw["layer_types"] and 16 == raw["sliding_window"])
+        if legacy:
+            raw.pop("layer_types")
+        if refused:
+            with pytest.raises(ValueError, match="sliding-window attention"):
+                ModelConfig.from_dict(raw)
+        else:
+            assert ModelConfig.from_dict(raw).architecture == arch
+
+
+def test_config_errors_are_value_errors_naming_the_field() -> None:
+    """Errors the launcher reports in one line (it catches ValueError): a rope scaling that
+    lacks a field (a KeyError from the rotary tables, a traceback), an unserved kind, a
+    missing config field, and an MLP width the TP degree does not divide."""
+    from model.decoder import MLP
+    from model.layers import TPGroup
+    raw = _transformers_config("qwen3")
+    raw.pop("rope_parameters", None)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="llama3 rope scaling lacks a number for low_freq_factor"):
+        ModelConfig.from_dict({**raw, "rope_scaling": llama3})
+    assert ModelConfig.from_dict({**raw, "rope_scaling": {**llama3, "low_freq_factor": 1.0}}).rope_scaling
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
+        ModelConfig.from_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="lacks the field 'num_attention_heads'"):
+        ModelConfig.from_dict({k: v for k, v in raw.items() if k != "num_attention_heads"})
+    cfg = ModelConfig.from_dict({**raw, "intermediate_size": 97})
+    with pytest.raises(ValueError, match=r"intermediate_size \(97\) is not divisible"):
+        MLP(cfg, TPGroup(rank=0, size=2))
