@@ -58,6 +58,17 @@ class GenerateConfig(StrictModel):
     return_aux_info: bool = False
     return_output_ids: bool = False
 
+    def check_sequences(self, state: AppState) -> None:
+        """605s naming the field: too many sequences or beams; more sequences than beams;
+        do_sample with beams (beam sampling is not offered)."""
+        state.check_n(self.num_beams, "num_beams")
+        state.check_n(self.num_return_sequences or 1, "num_return_sequences")
+        if self.num_beams > 1 and (self.num_return_sequences or 1) > self.num_beams:
+            raise invalid("num_return_sequences must be <= num_beams", "num_return_sequences")
+        if self.num_beams > 1 and self.do_sample:
+            raise invalid("do_sample with num_beams > 1 (beam sampling) is not supported",
+                          "do_sample")
+
     @property
     def listed(self) -> bool:
         """Answer with one list entry per sequence."""
@@ -84,7 +95,7 @@ class GenerateConfig(StrictModel):
 class GenerateRequest(StrictModel):
     prompt: str | None = None
     input_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     generate_config: GenerateConfig = Field(default_factory=GenerateConfig)
     custom_output_params: dict[str, Any] | None = None
     custom_output_encoding: Literal["json", "base64"] = "json"
@@ -99,7 +110,7 @@ class CustomOutputRequest(StrictModel):
 
 class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
 
@@ -210,8 +221,8 @@ def _score_params(body: CustomOutputRequest) -> list[dict | None]:
 async def _score_one(state: AppState, request: Request, ids: list[int], cop: dict | None,
                      encoding: str) -> dict:
     params = SamplingParams(max_new_tokens=0)  # scoring samples nothing: no model defaults
-    generation = state.submit(request, "score", [(ids, params)], [cop])
-    try:
+    try:  # (submit refuses params the wire cannot carry: only this prompt's entry fails)
+        generation = state.submit(request, "score", [(ids, params)], [cop])
         await state.accepted(request, generation, watch=False)
         await state.collect(request, generation, watch=False)
     except ApiError as e:
@@ -232,9 +243,7 @@ def build_router() -> APIRouter:
         start = time.monotonic()
         ids = _generate_ids(state, body)
         cfg = body.generate_config
-        state.check_n(max(cfg.num_return_sequences or 1, cfg.num_beams), "num_return_sequences")
-        if cfg.num_beams > 1 and (cfg.num_return_sequences or 1) > cfg.num_beams:
-            raise invalid("num_return_sequences must be <= num_beams", "num_return_sequences")
+        cfg.check_sequences(state)
         max_new = state.max_new_tokens(cfg.max_new_tokens, len(ids), "max_new_tokens")
         params = state.sampling_params(**cfg.sampling_kwargs(max_new))
         generation = await state.start(request, "gen", [(ids, params)], [body.custom_output_params])

@@ -2,9 +2,11 @@
 top max(2, 1 + #eos) * B continuations per step, hypotheses finished by EOS or a stop token
 id (if among the top B; neither before min_tokens) or by reaching the length limit, scores =
 sum of logprobs / generated_len ** length_penalty, and transformers' early-stopping heuristic
-(early_stopping=False)."""
+(early_stopping=False). Its repetition penalty applies to the step's log-probabilities, as
+transformers' processor does in beam search; sampling fields do not apply (do_sample=False)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,28 @@ class BeamState:
     improvable: bool = True  # transformers' "early stop heuristic unsatisfied"
 
 
+def length_normalized(score: float, length: int, penalty: float) -> float:
+    """score / length ** penalty, as transformers scores a hypothesis; where the power
+    overflows or underflows, its limit (the score 0 or -inf) instead of an exception."""
+    try:
+        denominator = float(length) ** penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return 0.0 if score == 0.0 else math.copysign(math.inf, score)
+    return score / denominator
+
+
+def _penalize_repeats(logprobs: torch.Tensor, beams: list[Sequence], penalty: float) -> None:
+    """transformers' RepetitionPenaltyLogitsProcessor on each beam's row, in place: every
+    token of the beam (prompt and output) has its (log-probability) score multiplied by the
+    penalty where negative, divided where positive."""
+    for row, beam in enumerate(beams):
+        ids = torch.tensor(sorted(set(beam.token_ids)), device=logprobs.device)
+        seen = logprobs[row, ids]
+        logprobs[row, ids] = torch.where(seen < 0, seen * penalty, seen / penalty)
+
+
 class BeamSearch:
     def step(self, request: Request, beams: list[Sequence], logits: torch.Tensor,
              eos_token_ids: list[int], max_model_len: int) -> tuple[list[tuple[int, int, float]], bool]:
@@ -40,6 +64,8 @@ class BeamSearch:
         eos = [] if p.ignore_eos else [t for t in eos_token_ids if t < vocab]
         eos += [t for t in p.stop_token_ids if t < vocab and t not in eos]
         acc = torch.log_softmax(logits.float(), dim=-1)
+        if p.repetition_penalty != 1.0:
+            _penalize_repeats(acc, beams, p.repetition_penalty)
         if eos and beams[0].num_output_tokens < p.min_tokens:  # transformers' min_new_tokens
             acc[:, eos] = float("-inf")
         acc += torch.tensor([b.cumulative_logprob for b in beams], device=acc.device)[:, None]
@@ -55,13 +81,13 @@ class BeamSearch:
                 if rank < num_beams and state.improvable:
                     tokens = beams[parent].output_token_ids + [token]
                     reason = "stop" if hits_eos else "length"
-                    state.finished.append(Hypothesis(score / gen_len ** p.length_penalty, tokens, reason,
-                                                     parent))
+                    state.finished.append(Hypothesis(length_normalized(score, gen_len, p.length_penalty),
+                                                     tokens, reason, parent))
             elif len(running) < num_beams:
                 running.append((parent, token, score))
         state.finished = sorted(state.finished, key=lambda h: -h.score)[:num_beams]
         if running and len(state.finished) == num_beams:
-            best_possible = running[0][2] / gen_len ** p.length_penalty
+            best_possible = length_normalized(running[0][2], gen_len, p.length_penalty)
             state.improvable = state.improvable and best_possible > state.finished[-1].score
         done = at_limit or not running or not state.improvable
         return running, done

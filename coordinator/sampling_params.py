@@ -73,6 +73,9 @@ class SamplingParams:
                              f"{self.min_tokens} > {self.max_new_tokens}")
         if self.num_beams > 1 and self.n > self.num_beams:
             raise ValueError(f"n must be <= num_beams for beam search, got n={self.n}")
+        if self.num_beams > 1 and (self.presence_penalty or self.frequency_penalty or self.logit_bias):
+            raise ValueError("presence_penalty, frequency_penalty and logit_bias do not apply to "
+                             "beam search (repetition_penalty does, as in transformers)")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
 

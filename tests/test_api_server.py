@@ -207,6 +207,32 @@ def test_generate_beams(http):
     assert r["aux_info"][0]["cum_log_probs"] >= r["aux_info"][1]["cum_log_probs"]
 
 
+def test_beam_requests_that_ended_the_engine_or_went_unchecked(http):
+    """Found by an outside tester: a huge length_penalty overflowed the score and ended the
+    engine (every later request a 503); do_sample with beams was ignored; num_beams over the
+    limit named num_return_sequences; empty messages were accepted; a custom_output_params
+    integer beyond 64 bits failed the whole /custom_output batch."""
+    for penalty in (1e30, -2000):
+        r = http.post("/generate", json={"prompt": PROMPT, "generate_config": {
+            "max_new_tokens": 3, "num_beams": 2, "length_penalty": penalty}})
+        assert r.status_code == 200 and len(r.json()["response"]) == 2, r.text
+    assert http.get("/health").status_code == 200
+    cases = [({"num_beams": 2, "do_sample": True}, "do_sample"), ({"num_beams": 17}, "num_beams"),
+             ({"num_beams": 2, "presence_penalty": 0.5}, "presence_penalty")]
+    for config, field in cases:
+        r = http.post("/generate", json={"prompt": PROMPT, "generate_config": config})
+        assert r.status_code == 400 and field in r.json()["message"], (config, r.text)
+    for path in ("/generate", "/tokenize"):
+        r = http.post(path, json={"messages": []})
+        assert r.status_code == 400 and r.json()["error_code"] == 605, (path, r.text)
+    r = http.post("/custom_output", json={"prompts": [PROMPT, PROMPT], "custom_output_params": [
+        {"position": 0, "x": -2 ** 63 - 1}, {"position": 0}]})
+    assert r.status_code == 200, r.text
+    first, second = r.json()["outputs"]
+    assert first["error_code"] == 605 and "64 bits" in first["message"]
+    assert "custom_output" in second
+
+
 def test_generate_stream(http):
     body = {"prompt": PROMPT, "generate_config": {"max_new_tokens": 8, "temperature": 0}}
     whole = http.post("/generate", json=body).json()

@@ -145,3 +145,37 @@ def test_stop_token_ids_and_min_tokens_match_transformers(setup) -> None:
         torch.testing.assert_close(torch.tensor([o.cumulative_logprob for o in result.outputs],
                                                 dtype=torch.float64),
                                    out.sequences_scores.double(), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_repetition_penalty_matches_transformers(setup) -> None:
+    """transformers applies its repetition penalty to each beam's log-probabilities; it was
+    ignored here (the same beams with or without it). The penalty used is strong enough to
+    change the beams on these prompts."""
+    path, model, prompts, expected = setup
+    llm = make_llm(path)
+    for prompt, (unpenalized, _) in zip(prompts, expected):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                             num_beams=BEAMS, num_return_sequences=BEAMS, early_stopping=False,
+                             repetition_penalty=3.0, output_scores=True, return_dict_in_generate=True)
+        want = ([row[len(prompt):].tolist() for row in out.sequences], out.sequences_scores.tolist())
+        assert want[0] != unpenalized
+        assert_beams_match(run(llm, [prompt], beam_params(repetition_penalty=3.0))[0], want)
+
+
+def test_extreme_length_penalties_score_without_crashing(setup) -> None:
+    """A length penalty whose power overflows (1e30) or underflows (-2000) gives the limit of
+    the score; it raised OverflowError / ZeroDivisionError, which ended the engine. Beam
+    search with a sampling-only penalty is refused."""
+    from coordinator.beam_search import length_normalized
+    assert length_normalized(-3.0, 4, 1e30) == 0.0 and length_normalized(-3.0, 4, -2000) == -float("inf")
+    assert length_normalized(-3.0, 1, 1e30) == -3.0 and length_normalized(-3.0, 4, 0.5) == -1.5
+    path, _, prompts, expected = setup
+    llm = make_llm(path)
+    for penalty in (1e30, -2000.0):
+        (r,) = run(llm, [prompts[1]], beam_params(length_penalty=penalty, max_new_tokens=4))
+        assert len(r.outputs) == BEAMS and all(len(o.token_ids) == 4 for o in r.outputs)
+    assert_beams_match(run(llm, [prompts[1]], beam_params())[0], expected[1])  # goes on serving
+    for field in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match="do not apply to beam search"):
+            beam_params(**{field: 0.5})
