@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 
 from coordinator.config import EngineConfig
 from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queued_requests < 0:
+        p.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not args.shutdown_timeout >= 0:  # (NaN too)
         p.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return args
@@ -119,11 +122,16 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         if not ctx.is_driver:
             run_worker(runner, channel)
-            return 0
-        engine = build_engine(config, runner, channel, serving_text_decoder(config))
-        return run_coordinator(args, config, engine, channel)
-    finally:
-        shutdown_distributed()
+            code = 0
+        else:
+            engine = build_engine(config, runner, channel, serving_text_decoder(config))
+            code = run_coordinator(args, config, engine, channel)
+    except Exception:  # a collective may have failed: a hung peer would hold the exit again
+        traceback.print_exc()  # in leaving the groups, or the interpreter's teardown of them,
+        sys.stderr.flush()     # for another whole peer timeout
+        os._exit(1)
+    shutdown_distributed()
+    return code
 
 
 def serving_text_decoder(config: EngineConfig):

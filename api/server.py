@@ -169,6 +169,7 @@ async def _watchdog(config: ApiConfig, client: EngineClient) -> None:
         await asyncio.sleep(0.5)
         if os.getppid() != parent:
             log.error("parent process %d is gone; stopping", parent)
+            client.shutting_down = True  # a request arriving from now on gets the 503 at once
             client.fail_all(EngineError(ENGINE_DOWN, "the engine is gone"))  # answer them now
             os.kill(os.getpid(), signal.SIGTERM)
             return

@@ -74,13 +74,14 @@ class AppState:
     # ---- checks ----------------------------------------------------------------------
     def admit(self, num_requests: int, param: str = "prompt") -> None:
         """605 for a request larger than the whole queue (never admitted, so not a 503 to
-        retry); 503 while the engine is down or stopping, or when the queue is full."""
+        retry); 503 while the engine is down or stopping (silent for the /health timeout: a
+        hung rank), or when the queue is full."""
         if num_requests > self.config.max_in_flight:
             raise invalid(f"the request has {num_requests} prompts; the server admits "
                           f"at most {self.config.max_in_flight} at once", param)
         if self.client.shutting_down:
             raise ApiError(503, "the server is shutting down")
-        if not self.client.healthy(self.config.engine_timeout_s):
+        if not self.client.healthy(self.config.health_timeout_s):  # as /health says
             raise ApiError(503, "the engine is not available")
         if self.client.num_in_flight + num_requests > self.config.max_in_flight:
             raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"

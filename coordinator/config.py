@@ -50,6 +50,11 @@ class EngineConfig:
             raise ValueError("custom_output_reuse must be omit or recompute")
         if self.output_workers < 0:
             raise ValueError("output_workers must be >= 0")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < float("inf"):

@@ -27,6 +27,7 @@ from ranks.plan import StepKind, StepPlan
 
 log = logging.getLogger("tapserve.coordinator")
 STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
+FAILED_STOP_SECONDS = 5.0  # the stop plan's bound after a failure (a peer may hang in it)
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
 REPEAT_SIGNAL_SECONDS = 1.0  # under a launcher: a signal this long after the first ends the drain
@@ -79,26 +80,35 @@ class CoordinatorLoop:
         return REPEAT_SIGNAL_SECONDS if self.settings.launcher_pid is not None else 0.0
 
     def run(self) -> int:
-        """Serve until a signal's drain completes (returns 0) or the API process dies (1)."""
+        """Serve until a signal's drain completes (returns 0) or the API process dies (1);
+        an exception (a failed collective, say) stops every rank and propagates. After one,
+        the stop plan waits at most FAILED_STOP_SECONDS: a hung peer, whose collective has
+        just timed out, would hold it another whole peer timeout."""
         try:
-            while True:
-                if self.api_process is not None and self.api_process.poll() is not None:
-                    log.error("API process exited with %s; stopping", self.api_process.returncode)
-                    return 1
-                if self.settings.launcher_pid is not None \
-                        and os.getppid() != self.settings.launcher_pid:
-                    log.error("the launcher (pid %d) is gone; stopping", self.settings.launcher_pid)
-                    return 1
-                self._receive(block=not self.engine.has_work())
-                if self.stop_requested_at is not None:
-                    self._announce_drain()
-                    if self._drained():
-                        return 0
-                if self.engine.has_work():
-                    self._send_outputs(self.engine.step())
-                self._tick()
-        finally:
-            self._stop()
+            code = self._serve()
+        except BaseException:
+            self._stop(plan_timeout_s=FAILED_STOP_SECONDS)
+            raise
+        self._stop()
+        return code
+
+    def _serve(self) -> int:
+        while True:
+            if self.api_process is not None and self.api_process.poll() is not None:
+                log.error("API process exited with %s; stopping", self.api_process.returncode)
+                return 1
+            if self.settings.launcher_pid is not None \
+                    and os.getppid() != self.settings.launcher_pid:
+                log.error("the launcher (pid %d) is gone; stopping", self.settings.launcher_pid)
+                return 1
+            self._receive(block=not self.engine.has_work())
+            if self.stop_requested_at is not None:
+                self._announce_drain()
+                if self._drained():
+                    return 0
+            if self.engine.has_work():
+                self._send_outputs(self.engine.step())
+            self._tick()
 
     # ---- messages --------------------------------------------------------------------------
     def _receive(self, block: bool) -> None:
@@ -193,7 +203,7 @@ class CoordinatorLoop:
         self._send_outputs(self.engine.step())
         return True
 
-    def _stop(self) -> None:
+    def _stop(self, plan_timeout_s: float | None = None) -> None:
         self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True)))
         if self.channel is not None:
             # a step may be in flight (a failure exit): its collectives should end on every
@@ -202,9 +212,9 @@ class CoordinatorLoop:
                 log.warning("a step still runs on the GPU %.0f s on; stopping anyway",
                             STOP_WAIT_SECONDS)
             try:
-                self.channel.send(StepPlan(kind=StepKind.STOP))
+                self.channel.send(StepPlan(kind=StepKind.STOP), plan_timeout_s)
             except RuntimeError:
-                pass  # a peer is already gone
+                pass  # a peer is already gone, or hangs
         if self.api_process is not None and self.api_process.poll() is None:
             self.api_process.terminate()  # uvicorn finishes the responses it has data for
             try:

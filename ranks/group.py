@@ -89,7 +89,9 @@ class PlanChannel:
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
         self._wire_body = self.rest             # a tensor over its buffer from its start
 
-    def send(self, plan: StepPlan) -> None:
+    def send(self, plan: StepPlan, timeout_s: float | None = None) -> None:
+        """Broadcast one plan; timeout_s bounds each broadcast's wait (a RuntimeError past it)
+        where a peer may hang, instead of the group's own timeout."""
         wire = plan.wire
         if wire is not None and wire.holds(plan):
             body, n = self._laid_out(plan, wire)
@@ -100,11 +102,18 @@ class PlanChannel:
             encoded.write_into(body.numpy()[HEADER_BYTES:])
         next_size = self._next_size(n)
         body.numpy()[:HEADER_BYTES].view("<u8")[:] = n, next_size
-        dist.broadcast(body[:self.size], src=0, group=self.group)
+        self._broadcast(body[:self.size], timeout_s)
         if HEADER_BYTES + n > self.size:  # the remainder: the same buffer's next bytes
-            dist.broadcast(body[self.size:HEADER_BYTES + n], src=0, group=self.group)
+            self._broadcast(body[self.size:HEADER_BYTES + n], timeout_s)
         self.size = next_size
         self.last_sent = time.monotonic()
+
+    def _broadcast(self, data: torch.Tensor, timeout_s: float | None) -> None:
+        if timeout_s is None:
+            dist.broadcast(data, src=0, group=self.group)
+        else:
+            dist.broadcast(data, src=0, group=self.group, async_op=True).wait(
+                timeout=timedelta(seconds=timeout_s))
 
     def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
         """The bytes to broadcast for a plan already in its message (PlanMessage), and the

@@ -46,6 +46,12 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--device", "foo"], None, "device must be cpu, cuda or cuda:N"),
     (["--port", "70000"], None, "--port must be in [0, 65535]"),
     (["--shutdown-timeout", "-1"], None, "--shutdown-timeout must be >= 0"),
+    # found by an outside tester (tracebacks after the model loaded)
+    (["--num-kv-blocks", "0"], None, "num_kv_blocks must be >= 1"),
+    (["--max-num-seqs", "0"], None, "max_num_seqs must be >= 1"),
+    (["--max-num-batched-tokens", "0"], None, "max_num_batched_tokens must be >= 1"),
+    (["--block-size", "0"], None, "block_size must be >= 1"),
+    (["--max-queued-requests", "-1"], None, "--max-queued-requests must be >= 0"),
 ])
 def test_misused_flags_fail_at_once(args, env, message):
     proc = _launch(*args, env=env)

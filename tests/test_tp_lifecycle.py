@@ -236,6 +236,42 @@ def test_dead_rank_ends_streams_with_an_error_event(tmp_path):
             os.killpg(server.proc.pid, signal.SIGKILL)
 
 
+def _exited(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_hung_rank_ends_group_within_a_peer_timeout(tmp_path):
+    """Rank 1 hangs (SIGSTOP) mid-stream. Found by an outside tester: new requests were
+    admitted and hung while /health already said the engine was not responding (admission
+    waited for the 300 s engine timeout), and rank 0 took two peer timeouts (~60 s) to exit,
+    its stop plan waiting a second 30 s on the hung peer. Now a new request gets 503 once
+    /health fails (10 s), the stream ends with the 503 envelope, and rank 0 exits within one
+    peer timeout plus the stop plan's 5 s bound."""
+    server = TorchrunServer(make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True),
+                            tmp_path)
+    rank0, rank1 = server.rank_pid(0), server.rank_pid(1)
+    try:
+        (stream,) = _streams_in_flight(server, 1, 1000)  # of the 1024 the model takes
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        time.sleep(11)  # past /health's 10 s
+        start = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 1})
+        assert r.status_code == 503 and time.monotonic() - start < 3, (r.text, server.tail())
+        events, error = stream.result(60)
+        assert error is None and '"503_SERVICE_UNAVAILABLE"' in events[-1], (error, events[-1:])
+        while not _exited(rank0) and time.monotonic() - stopped < 60:
+            time.sleep(0.2)
+        assert time.monotonic() - stopped < 45, server.tail()
+    finally:
+        os.killpg(server.proc.pid, signal.SIGKILL)  # (rank 1 too, stopped as it is)
+        server.proc.wait(10)
+
+
 @pytest.mark.parametrize("local", [True, False], ids=["local", "torchrun"])
 def test_one_ctrl_c_to_the_whole_group_drains(tmp_path, local):
     """A terminal's Ctrl-C reaches the launcher's process group: under `launch.py
