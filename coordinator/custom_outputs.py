@@ -11,12 +11,11 @@ import torch
 from safetensors import safe_open
 
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
+from coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
 from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
                                  check_output, describe, describe_error, load_handler_class,
                                  module_weights_file, startup_step)
 from model.loader import safetensors_files
-
-LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
 
 
 class RequestError(Exception):

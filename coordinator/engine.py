@@ -32,7 +32,7 @@ from coordinator.sampler import Sampler, to_device
 from coordinator.sampling_params import SamplingParams
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from coordinator.sequence import Request, Sequence, SequenceFactory
-from coordinator.validation import validate_prompt
+from coordinator.validation import validate_prompt, validate_rows
 from coordinator.stop_strings import truncate_output, watches_stop_strings
 from model.custom_output import CustomOutputError
 from ranks.plan import StepKind, StepPlan, block_table_dtype
@@ -116,6 +116,7 @@ class Engine(TokenSteps):
                                   params.max_new_tokens)
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
                           custom_position=pos, **self._decode_checks(params, len(prompt_token_ids)))
+        validate_rows(request.max_rows, params, self.options)
         if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
             request.reuse_cap_tokens = pos  # reuse stops below the selected token
         if params.num_beams == 1 and watches_stop_strings(request, self.text_decoder):

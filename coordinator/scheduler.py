@@ -117,6 +117,7 @@ class Scheduler:
         self._steady: _SteadyRows | None = None  # the last batch, if note_advanced saw it
         self._serial = 0  # ScheduledBatch.serial of the last batch
         self.num_steady_steps = 0  # steps scheduled from _SteadyRows (a statistic)
+        self._wide: dict[int, Request] = {}  # admitted requests that may run > 1 sequence
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -363,9 +364,24 @@ class Scheduler:
         return budget
 
     def _fits(self, seqs: list[Sequence], request: Request) -> bool:
-        """Admission's test: max_num_seqs has room for seqs and their blocks fit."""
-        return (len(self.running) + len(seqs) <= self.config.max_num_seqs
+        """Admission's test: max_num_seqs has room for seqs and their blocks fit. A request
+        that will fork (a prompt of n samples or of beams) and a beam request take room for
+        its widest step (Request.max_rows), so that its forks never take a batch past
+        max_num_seqs (the decode workspace and graphs are sized for it)."""
+        need = len(seqs) if request.forked and request.params.num_beams == 1 else request.max_rows
+        return (self._rows_held() + need <= self.config.max_num_seqs
                 and self._can_allocate(seqs, request))
+
+    def _rows_held(self) -> int:
+        """The running sequences, and the rows their requests may still fork into."""
+        held = len(self.running)
+        for key, request in list(self._wide.items()):
+            if request.is_finished or (request.forked and request.params.num_beams == 1):
+                del self._wide[key]  # finished, or its samples are all there: no more forks
+                continue
+            running = sum(1 for s in request.sequences if s.status is SeqStatus.RUNNING)
+            held += request.max_rows - running if running else 0
+        return held
 
     def _can_allocate(self, seqs: list[Sequence], request: Request) -> bool:
         need = sum(self.blocks.blocks_needed(s.num_tokens) for s in seqs)
@@ -376,9 +392,12 @@ class Scheduler:
     def _start(self, seq: Sequence, request: Request) -> None:
         cached = self.blocks.allocate(seq, request.reuse_cap_tokens)
         if seq is request.sequences[0] and not request.forked:
-            request.num_cached_tokens = cached
+            if not request.admitted:  # (after a preemption its own blocks come back)
+                request.num_cached_tokens, request.admitted = cached, True
             if 0 <= request.custom_position < cached and request.custom_output is None:
                 request.custom_output_skipped = True
+        if request.max_rows > 1:
+            self._wide[id(request)] = request
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 

@@ -11,6 +11,8 @@ from itertools import count
 
 from coordinator.sampling_params import SamplingParams
 
+LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -76,7 +78,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # prompt sequence already split into n samples / beams
     beam_state: object | None = None  # coordinator.beam_search.BeamState for beam search
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave at its first admission
+    admitted: bool = False  # its prompt sequence has been admitted once
     # fixed at admission (Engine.add_request), for the per-token checks of the decode loop:
     stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
     max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
@@ -93,6 +96,15 @@ class Request:
     runs_ahead: bool = False
     error_code: int | None = None
     error_message: str | None = None
+
+    @property
+    def max_rows(self) -> int:
+        """The most sequences it runs in one step: its n samples, or its beams (twice as
+        many when it scores its last generated tokens: each hypothesis finished in a step
+        is scored by a fork of its beam in the next)."""
+        if self.params.num_beams > 1:
+            return self.params.num_beams * (2 if self.custom_position == LAST_GENERATED else 1)
+        return self.params.n
 
     @property
     def live_sequences(self) -> list[Sequence]:

@@ -36,3 +36,13 @@ def validate_prompt(ids: list[int], params: SamplingParams, options: "EngineOpti
             raise RequestError(INVALID_PARAMS, f"request needs {need} KV blocks for its "
                                                f"{params.num_beams} beams; the KV cache holds "
                                                f"{blocks.num_blocks}")
+
+
+def validate_rows(request_rows: int, params: SamplingParams, options: "EngineOptions") -> None:
+    """605 for a request whose widest step (Request.max_rows: its n samples or beams) would
+    not fit in max_num_seqs: it could never be admitted."""
+    limit = options.scheduler.max_num_seqs
+    if request_rows > limit:
+        what = (f"num_beams {params.num_beams}" if params.num_beams > 1 else f"n {params.n}")
+        raise RequestError(INVALID_PARAMS, f"{what} needs {request_rows} sequences at once; "
+                                           f"the server runs at most {limit} (--max-num-seqs)")

@@ -10,7 +10,7 @@
   waiting (preempted) sequences hold no block; no table names a block twice;
 - the prefix cache maps each hash to a block carrying that hash, one block per hash;
 - scheduler: every running sequence is live, RUNNING, of a request the engine holds, and
-  listed once; its computed tokens fit its blocks.
+  listed once; its computed tokens fit its blocks; no more run than max_num_seqs.
 
 `check_plan(batch, plan, rows, block_size, blocks)` checks a freshly built step plan against
 the sequences themselves: the scheduler's per-row records (newest token, table stamp, context
@@ -91,6 +91,8 @@ def check_engine(engine: Engine) -> None:
     # scheduler state
     running = engine.scheduler.running
     assert len(set(map(id, running))) == len(running), "a sequence is running twice"
+    limit = engine.scheduler.config.max_num_seqs  # forks included: the workspace's rows
+    assert len(running) <= limit, f"{len(running)} running sequences, max_num_seqs {limit}"
     for seq in running:
         rid = seq.request.request_id
         assert engine.requests.get(rid) is seq.request, f"running sequence of unknown request {rid}"

@@ -164,3 +164,21 @@ def test_async_scheduling_is_the_cuda_default_at_tp1():
     assert llm.engine.run_ahead
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, temperature=0))
     assert llm.engine.num_ahead_steps > 5
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_forked_samples_and_beams_fit_the_decode_workspace(tmp_path, eager):
+    """Requests of n samples and beams fork after their prefill; they used to count as one
+    row at admission, so a batch grew past max_num_seqs and past the Triton decode workspace
+    sized for it (a RuntimeError from the step, found by an outside reviewer on an H200:
+    256 requests of n=8). Now they take room for their widest step when admitted."""
+    path = str(make_tiny_checkpoint(tmp_path / "q", "qwen3"))
+    llm = LLM(EngineConfig(model=path, dtype="bfloat16", device="cuda", enforce_eager=eager,
+                           max_num_seqs=8, max_model_len=256))
+    prompts = _prompts(512)
+    params = [SamplingParams(max_new_tokens=8, n=4, temperature=1.0, ignore_eos=True)] * 6 + \
+        [SamplingParams(max_new_tokens=8, num_beams=4, n=2, temperature=0.0, ignore_eos=True)] * 2
+    results = llm.generate(prompts, params)
+    assert [len(r.outputs) for r in results] == [4] * 6 + [2] * 2
+    assert all(len(o.token_ids) == 8 for r in results for o in r.outputs)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
