@@ -16,15 +16,21 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import traceback
 
 from coordinator.config import EngineConfig
+from coordinator.custom_outputs import RequestError
+from model.custom_output import HandlerLoadError
 from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
 
 DEMO_HEAD = "model.demo:DemoHead"
+# what a bad flag, checkpoint, tokenizer or custom module raises at start-up: one line, no
+# traceback (FileNotFoundError and the like are OSErrors; a corrupt JSON file a ValueError)
+STARTUP_ERRORS = (ValueError, OSError, HandlerLoadError)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is not None and not args.api_key:
+        p.error("--api-key is empty (an unset variable?); leave it out to serve without a key")
     if args.max_queued_requests < 0:
         p.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not args.shutdown_timeout >= 0:  # (NaN too)
@@ -111,27 +119,44 @@ def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coordinator.config import build_engine, start_rank
+    from coordinator.config import start_rank
     from ranks.group import shutdown_distributed
     from ranks.worker import run_worker
 
     try:
         ctx, runner, channel = start_rank(config, args.tp)
-    except ValueError as e:
+    except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
     try:
         if not ctx.is_driver:
             run_worker(runner, channel)
             code = 0
         else:
-            engine = build_engine(config, runner, channel, serving_text_decoder(config))
-            code = run_coordinator(args, config, engine, channel)
+            code = run_coordinator(args, config, driver_engine(config, runner, channel), channel)
     except Exception:  # a collective may have failed: a hung peer would hold the exit again
         traceback.print_exc()  # in leaving the groups, or the interpreter's teardown of them,
         sys.stderr.flush()     # for another whole peer timeout
         os._exit(1)
     shutdown_distributed()
     return code
+
+
+def driver_engine(config: EngineConfig, runner, channel):
+    """Rank 0's engine; a start-up error (the custom handler's, say) stops the other ranks
+    with the stop plan and ends this one with its message."""
+    from coordinator.config import build_engine
+    from ranks.group import shutdown_distributed
+    from ranks.plan import StepKind, StepPlan
+    try:
+        return build_engine(config, runner, channel, serving_text_decoder(config))
+    except STARTUP_ERRORS as e:
+        if channel is not None:
+            try:
+                channel.send(StepPlan(kind=StepKind.STOP), timeout_s=5.0)
+            except RuntimeError:
+                pass
+            shutdown_distributed()
+        raise SystemExit(str(e)) from None
 
 
 def serving_text_decoder(config: EngineConfig):
@@ -157,6 +182,17 @@ def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
     except ValueError as e:  # json.JSONDecodeError included
         raise SystemExit(str(e)) from None
     return tuple(f"{name}={value}" for name, value in defaults.items())
+
+
+def log_what_is_served(config: EngineConfig, engine) -> None:
+    runner = engine.runner
+    weights = "random weights (--load-format dummy)" if config.load_format == "dummy" else "weights"
+    logging.getLogger("tapserve").info(
+        "model %s (%s, %s %s), %s, TP %d, %d KV blocks of %d tokens, max_model_len %d, "
+        "custom head %s", runner.cfg.model_dir, runner.model_cfg.architecture,
+        str(runner.cfg.dtype).removeprefix("torch."), weights, runner.device, runner.tp.size,
+        runner.num_blocks, runner.cfg.block_size, engine.options.max_model_len,
+        config.custom_module or "none")
 
 
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
@@ -192,6 +228,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             logging.getLogger("tapserve").info(
                 "sampling defaults from the generation config: %s (--generation-config vllm "
                 "leaves them out)", ", ".join(args.sampling_defaults))
+        log_what_is_served(config, engine)
         logging.getLogger("tapserve").info("serving on http://%s:%d", args.host, args.port)
         return loop.run()
     finally:
@@ -207,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 <pid>`: every thread's Python stack to stderr, to diagnose a hung rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.chat_template is not None:  # before any rank starts: a mistyped path fails here
-        from api.tokenizer import chat_template_text
+        from api.tokenizer import chat_template_text, check_chat_template
         try:
-            chat_template_text(args.chat_template)
+            check_chat_template(chat_template_text(args.chat_template))
         except (ValueError, OSError) as e:
             raise SystemExit(str(e)) from None
     if args.generation_config not in ("auto", "vllm") \
@@ -234,11 +271,41 @@ def main(argv: list[str] | None = None) -> int:
                              "--tp and run it without torchrun (serve for TP > 1)")
         try:
             return run_prompt(args, config)
-        except ValueError as e:  # a config the model or the KV cache cannot honour
+        except STARTUP_ERRORS as e:  # a config the model or the KV cache cannot honour
             raise SystemExit(str(e)) from None
-    # before the model loads: a bad generation_config.json fails at once
-    args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
+        except RequestError as e:  # the prompt itself (empty, too long)
+            raise SystemExit(f"--prompt: {e}") from None
+    # before the model loads: a bad generation_config.json, tokenizer, custom module or port
+    # fails at once, not after minutes of loading
+    try:
+        args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
+        if os.environ.get("RANK", "0") == "0":
+            check_before_loading(args, config)
+    except STARTUP_ERRORS as e:
+        raise SystemExit(str(e)) from None
     return serve(args, config)
+
+
+def check_before_loading(args: argparse.Namespace, config: EngineConfig) -> None:
+    """Rank 0's start-up checks that need no model: the serving tokenizer loads, the custom
+    module's class is found, and the HTTP port is free."""
+    from api.tokenizer import TextTokenizer
+    from model.custom_output import load_handler_class
+    folder = config.tokenizer or config.model_dir()
+    try:
+        TextTokenizer.from_dir(folder, args.chat_template)
+    except FileNotFoundError as e:
+        raise ValueError(f"the API needs a tokenizer: {e} (--tokenizer DIR)") from None
+    except Exception as e:  # the tokenizers library's parse errors name no file
+        raise ValueError(f"{folder}/tokenizer.json cannot be loaded: {e}") from None
+    if config.custom_module:
+        load_handler_class(config.custom_module)
+    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":

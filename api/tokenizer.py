@@ -110,6 +110,25 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment chat templates render in, as transformers builds it."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def check_chat_template(text: str) -> None:
+    """A ValueError for a template that does not compile (a start-up error, rather than a
+    605 on every chat request)."""
+    try:
+        _template_environment().from_string(text)
+    except TemplateError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+
+
 def chat_template_text(override: str) -> str:
     """--chat-template: a file's text, or an inline Jinja template. Anything else (a
     mistyped path) is a ValueError, not a template that renders the path as the prompt."""
@@ -156,11 +175,7 @@ class TextTokenizer:
         self.eos_token = self.special_tokens.get("eos_token")
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.chat_template = chat_template
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                  extensions=[loopcontrols, _GenerationBlock])
-        self._env.filters["tojson"] = _tojson
-        self._env.globals["raise_exception"] = _raise_exception
-        self._env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env = _template_environment()
         self._template = None
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)

@@ -66,6 +66,11 @@ class EngineConfig:
         if self.device is not None and self.device != "cpu" \
                 and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: torch sees no CUDA device (a CPU build of "
+                             f"torch {torch.__version__}, or no GPU visible)")
+        if not -2 ** 63 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must fit in 64 bits (signed), got {self.seed}")
 
     def model_dir(self) -> Path:
         if self.model is None:

@@ -8,14 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
 from coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
 from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
                                  check_output, describe, describe_error, load_handler_class,
                                  module_weights_file, startup_step)
-from model.loader import safetensors_files
+from model.loader import open_safetensors, safetensors_files
 
 
 class RequestError(Exception):
@@ -72,7 +71,7 @@ def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
     files = (safetensors_files(model_dir) if model_dir else []) + ([extra] if extra else [])
     found: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_safetensors(path) as f:
             for name in set(names) & set(f.keys()) - set(found):
                 found[name] = f.get_tensor(name).to(device)
     missing = [n for n in names if n not in found]

@@ -100,8 +100,10 @@ class LLM:
         if not isinstance(prompt, str):
             return list(prompt)
         if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer, and the model folder has none: "
-                             "pass token ids or EngineConfig(tokenizer=...)")
+            where = (f"--tokenizer {self.config.tokenizer} has none" if self.config.tokenizer
+                     else "the model folder has none")
+            raise ValueError(f"a text prompt needs a tokenizer, and {where}: pass token ids or "
+                             "EngineConfig(tokenizer=...)")
         return self.tokenizer.encode(prompt)
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -1,10 +1,11 @@
 """Per-request sampling parameters. Pure Python (no torch): the API process imports it too."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from model.config import read_json
 
 # a temperature below this samples greedily, as vLLM's (1/T would overflow the logits)
 GREEDY_TEMPERATURE = 1e-5
@@ -131,7 +132,7 @@ def model_sampling_defaults(folder: str | Path) -> dict[str, float | int]:
     A value that is not a number of the field's type, or out of the field's range, is a
     ValueError: it would otherwise fail every request."""
     path = Path(folder) / "generation_config.json"
-    raw = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    raw = read_json(path) if path.is_file() else {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a JSON object")
     defaults: dict[str, float | int] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -48,7 +49,10 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
             raise ValueError(f"unknown architecture {self.architecture!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"config field {name} must be an integer, got {getattr(self, name)!r}")
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -62,6 +66,8 @@ class ModelConfig:
             return cls._from_dict(raw, generation_config)
         except KeyError as e:
             raise ValueError(f"config.json lacks the field {e}") from None
+        except TypeError as e:  # "two" layers, say
+            raise ValueError(f"config.json has a field of the wrong type ({e})") from None
 
     @classmethod
     def _from_dict(cls, raw: dict, generation_config: dict | None) -> "ModelConfig":
@@ -110,8 +116,11 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
         gen_file = path / "generation_config.json"
-        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-        return cls.from_dict(json.loads(config_file.read_text()), gen)
+        gen = read_json(gen_file) if gen_file.is_file() else None
+        raw = read_json(config_file)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{config_file}: not a JSON object")
+        return cls.from_dict(raw, gen)
 
 
 def _rope_scaling(scaling: dict | None) -> dict | None:
@@ -146,6 +155,14 @@ def _refuse_sliding_window(raw: dict) -> None:
     if sliding and (window is None or window < raw.get("max_position_embeddings", 4096)):
         raise ValueError(f"config.json asks for sliding-window attention (window {window}), "
                          "which is not supported")
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; a ValueError naming the file when it does not parse."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def _as_list(value) -> list[int]:

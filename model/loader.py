@@ -3,14 +3,14 @@ shard by shard with a progress bar; or with random weights (`--load-format dummy
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from model.config import ModelConfig
+from model.config import ModelConfig, read_json
 from model.decoder import AttentionBackend, CausalLM
 from model.layers import TPGroup
 
@@ -44,11 +44,27 @@ def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch
         return CausalLM(cfg, tp, backend, max_positions).eval()
 
 
+def open_safetensors(path: Path, device: str = "cpu") -> Any:
+    """safe_open of one file; a ValueError naming it when it is not a safetensors file
+    (truncated, corrupt), where safetensors' own message names no file."""
+    try:
+        return safe_open(str(path), framework="pt", device=device)
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map object")
+        files = [model_dir / str(f) for f in sorted(set(map(str, weight_map.values())))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not there: {missing[:3]}")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -62,7 +78,7 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
     loaded: set[str] = set()
     files = safetensors_files(model_dir)
     for path in tqdm(files, desc="loading shards", disable=not show_progress or len(files) < 2):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for hf_name in f.keys():
                 target = _map_name(model, hf_name)
                 if target is not None and target[0] not in params \

@@ -52,10 +52,55 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--max-num-batched-tokens", "0"], None, "max_num_batched_tokens must be >= 1"),
     (["--block-size", "0"], None, "block_size must be >= 1"),
     (["--max-queued-requests", "-1"], None, "--max-queued-requests must be >= 0"),
+    # found by an outside tester of the 18th session (tracebacks, or errors only after loading)
+    (["--seed", str(2 ** 70)], None, "seed must fit in 64 bits"),
+    (["--api-key="], None, "--api-key is empty"),
+    (["--chat-template", "{% for m in messages %}{{ m }}"], None, "--chat-template does not compile"),
+    (["--custom-module", "nosuchpkg.mod:H"], None, "cannot import custom module 'nosuchpkg.mod'"),
+    (["--model", "/nonexistent"], None, "model folder not found: /nonexistent"),
 ])
 def test_misused_flags_fail_at_once(args, env, message):
     proc = _launch(*args, env=env)
     assert proc.returncode != 0 and message in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_broken_checkpoints_and_modules_are_one_line_errors(tmp_path):
+    """A corrupt or incomplete checkpoint, tokenizer or custom module ends the start-up with
+    one line naming the file (they were tracebacks, some only after the model loaded; a
+    corrupt JSON or safetensors file named no file)."""
+    import json
+    import shutil
+
+    from tests.checkpoints import make_tiny_checkpoint
+    good = make_tiny_checkpoint(tmp_path / "good", "qwen3", tokenizer=True)
+
+    def variant(name: str, change) -> str:
+        shutil.copytree(good, tmp_path / name)
+        change(tmp_path / name)
+        return str(tmp_path / name)
+
+    def retype(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "two"}))
+    (tmp_path / "two.py").write_text("class A:\n    def select_token_position(self, i, p): return -1\n"
+                                     "    def forward(self, h): return h\nclass B(A): pass\n")
+    cases = [
+        (["--model", variant("json", lambda f: (f / "config.json").write_text('{"a": '))],
+         "config.json: not valid JSON"),
+        (["--model", variant("type", retype)], "num_hidden_layers must be an integer, got 'two'"),
+        (["--model", variant("st", lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 99))],
+         "model.safetensors: not a readable safetensors file"),
+        (["--model", variant("tok", lambda f: (f / "tokenizer.json").write_text('{"a":'))],
+         "tokenizer.json cannot be loaded"),
+        (["--model", variant("index", lambda f: (f / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"x": "gone.safetensors"}})))], "names shards that are not there"),
+        (["--custom-module", str(tmp_path / "two.py")], "name the handler class"),
+    ]
+    for args, message in cases:
+        proc = _launch(*args, "--device", "cpu")
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
 
 
 def test_local_ranks_run_one_openmp_thread(tmp_path, monkeypatch):
