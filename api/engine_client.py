@@ -181,6 +181,10 @@ class EngineClient:
             from api.errors import invalid
             raise invalid(f"request cannot be encoded: it holds text that is not valid "
                           f"Unicode ({e.reason})") from e
+        except RecursionError:
+            from api.errors import invalid
+            raise invalid("request cannot be encoded: custom_output_params is nested too "
+                          "deeply") from None
         except (OverflowError, ValueError, TypeError) as e:
             from api.errors import invalid
             raise invalid(f"request cannot be encoded (integers, such as custom_output_params "

@@ -29,7 +29,7 @@ from api.errors import ApiError, invalid
 from api.generation import Choice, Generation
 from api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
 from api.state import AppState, race_disconnect, sse
-from api.values import encode_value
+from api.values import encode_value, finite_logprob
 from coordinator.sampling_params import SamplingParams
 
 
@@ -182,7 +182,7 @@ class _Answer:
                "reuse_len": c.prompt.num_cached_tokens,
                "cost_time_ms": round((time.monotonic() - self.start) * 1000, 3)}
         if self.cfg.num_beams > 1:
-            aux["cum_log_probs"] = c.cumulative_logprob
+            aux["cum_log_probs"] = finite_logprob(c.cumulative_logprob)  # (-inf: -9999.0)
             aux["beam_responses"] = [x.text for x in choices]
         return aux
 

@@ -201,6 +201,9 @@ class AppState:
                     yield event
             except EngineError as e:
                 yield sse_error_event(_api_error(e), path)
+            except Exception as e:  # a bug of ours: the client still gets a last event
+                log.exception("stream of %s failed", path)
+                yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
             finally:
                 generation.group.abort()
                 self.log_done(generation)

@@ -9,6 +9,7 @@ from model.config import read_json
 
 # a temperature below this samples greedily, as vLLM's (1/T would overflow the logits)
 GREEDY_TEMPERATURE = 1e-5
+MAX_SCALE = 1e30  # temperature and repetition_penalty are clamped to [1e-30, 1e30]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range for logit_bias values: [-100, 100]
 # fields a model's generation_config.json may give defaults for, with their types (vLLM's
 # list; do_sample is ignored, as vLLM ignores it: top_k 1 or temperature 0 is greedy)
@@ -79,6 +80,10 @@ class SamplingParams:
                              "beam search (repetition_penalty does, as in transformers)")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
+        # beyond these the sampler's float32 arithmetic overflows (inf / inf is NaN, and an
+        # all-NaN row samples token 0); within them the draws are already those of the limit
+        self.temperature = min(self.temperature, MAX_SCALE)
+        self.repetition_penalty = min(max(self.repetition_penalty, 1 / MAX_SCALE), MAX_SCALE)
 
     @property
     def greedy(self) -> bool:

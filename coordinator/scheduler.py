@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.blocks import BlockManager
-from coordinator.sequence import Request, Sequence, SeqStatus
+from coordinator.sequence import LAST_GENERATED, Request, Sequence, SeqStatus
 
 
 @dataclass
@@ -228,11 +228,15 @@ class Scheduler:
             elif seq.request.params.num_beams > 1 and seq.scoring_reason is None:
                 all_single = False
                 if seq not in handled:
-                    group = self._group(seq)
+                    group, forks = self._group(seq), self._scoring_forks(seq.request)
                     handled.update(group)
-                    if all(self._reserve_block(s, batch) for s in group):
+                    handled.update(forks)
+                    budget, scored = self._schedule_forks(forks, batch, budget)
+                    if scored and all(self._reserve_block(s, batch) for s in group):
                         budget = self._take_tokens(group, batch, budget)
                 continue
+            elif seq in handled:
+                continue  # a beam's scoring fork, scheduled with its beams
             elif blocks.blocks_to_append(seq) and not self._reserve_block(seq, batch):
                 continue
             else:
@@ -295,6 +299,28 @@ class Scheduler:
         if seq.request.params.num_beams == 1 or seq.scoring_reason is not None:
             return [seq]
         return [s for s in self.running if s.request is seq.request and s.scoring_reason is None]
+
+    def _scoring_forks(self, request: Request) -> list[Sequence]:
+        """A beam request's running forks that score finished hypotheses (LAST_GENERATED)."""
+        if request.custom_position != LAST_GENERATED:
+            return []
+        return [s for s in self.running if s.request is request and s.scoring_reason is not None]
+
+    def _schedule_forks(self, forks: list[Sequence], batch: ScheduledBatch,
+                        budget: int) -> tuple[int, bool]:
+        """Schedule a beam request's scoring forks (one token each) before its beams; whether
+        all of them were. The beams advance only then: a step that left its forks out while
+        its beams finished more hypotheses would fork again, past Request.max_rows."""
+        for fork in forks:
+            if budget == 0 or not self._reserve_block(fork, batch):
+                return budget, False
+            need = fork.num_tokens - fork.num_computed_tokens  # 1, or a recompute's chunk
+            n = min(need, budget)
+            batch.add(fork, n)
+            budget -= n
+            if n < need:
+                return budget, False
+        return budget, True
 
     def _reserve_block(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Ensure seq has a slot for its newest token, preempting the most recently arrived
@@ -380,7 +406,7 @@ class Scheduler:
                 del self._wide[key]  # finished, or its samples are all there: no more forks
                 continue
             running = sum(1 for s in request.sequences if s.status is SeqStatus.RUNNING)
-            held += request.max_rows - running if running else 0
+            held += max(request.max_rows - running, 0) if running else 0
         return held
 
     def _can_allocate(self, seqs: list[Sequence], request: Request) -> bool:

@@ -233,6 +233,32 @@ def test_beam_requests_that_ended_the_engine_or_went_unchecked(http):
     assert "custom_output" in second
 
 
+def test_extreme_values_that_passed_validation(http):
+    """Found by an outside tester: a beam score of -inf (a length_penalty whose power
+    underflows) in aux_info was a 500, and cut the native stream without its final event;
+    custom_output_params nested 500 deep was a 500 (RecursionError); a temperature beyond
+    float32 (with min_tokens' -inf bans) or a repetition_penalty below ~1e-38 made every row
+    NaN, so every token was id 0."""
+    body = {"prompt": PROMPT, "generate_config": {"num_beams": 2, "max_new_tokens": 3,
+                                                   "length_penalty": -1000, "return_aux_info": True}}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert [a["cum_log_probs"] for a in r.json()["aux_info"]] == [-9999.0, -9999.0]
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = sse_json(sse_events(r))
+    assert events[-1]["finished"] is True and events[-1]["aux_info"][0]["cum_log_probs"] == -9999.0
+    deep = 1
+    for _ in range(500):
+        deep = [deep]
+    r = http.post("/generate", json={"prompt": PROMPT, "custom_output_params": {"a": deep}})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["message"], r.text
+    ids = tokenize(http, "!")
+    for extreme in ({"temperature": 3.5e38, "min_new_tokens": 6}, {"repetition_penalty": 1e-40}):
+        r = http.post("/generate", json={"prompt": "Once upon a time", "generate_config": {
+            "max_new_tokens": 6, "return_output_ids": True, "seed": 1, **extreme}})
+        assert r.status_code == 200 and set(r.json()["output_ids"]) != set(ids), (extreme, r.text)
+
+
 def test_generate_stream(http):
     body = {"prompt": PROMPT, "generate_config": {"max_new_tokens": 8, "temperature": 0}}
     whole = http.post("/generate", json=body).json()

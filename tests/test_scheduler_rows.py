@@ -101,3 +101,30 @@ def test_cached_tokens_are_counted_at_the_first_admission(ckpt):
             engine.step()
     assert "b" in preempted and request.is_finished
     assert request.num_cached_tokens == 0
+
+
+def test_beams_scoring_their_tokens_beside_a_chunked_prefill(tmp_path):
+    """Beams that score their last tokens (LAST_GENERATED) fork a scorer per finished
+    hypothesis; a long prefill chunk ahead of those forks in the running list took the token
+    budget, the forks waited, the beams finished more hypotheses and forked again: a step of
+    10 rows with max_num_seqs 8 (found by an outside reviewer; on CUDA the step raised). Now
+    the beams advance only in a step that also scores their pending forks."""
+    from model.custom_output import CustomOutputHandler
+    from tests.custom_helpers import VOCAB as HEAD_VOCAB
+    from tests.custom_helpers import make_head_checkpoint, prompt
+    from tests.custom_helpers import make_llm as make_head_llm
+    import random
+    llm = watch_steps(make_head_llm(make_head_checkpoint(tmp_path / "ckpt"), max_num_seqs=8,
+                                    max_num_batched_tokens=16, num_kv_blocks=40))
+    rows = _record_rows(llm)
+    engine, rnd = llm.engine, random.Random(37)
+    last = {"position": CustomOutputHandler.LAST_GENERATED}
+    stops = rnd.sample(range(4, HEAD_VOCAB), 150)  # hypotheses finish often
+    engine.add_request("beams", prompt(7, 37), SamplingParams(
+        max_new_tokens=12, temperature=0.0, num_beams=2, n=1, stop_token_ids=stops), last)
+    for i in range(8):
+        engine.add_request(f"s{i}", prompt(rnd.randint(20, 120), 470 + i),
+                           greedy(rnd.randint(2, 10)), last if i % 2 else None)
+    while engine.has_work():
+        engine.step()
+    assert max(rows) <= 8, rows
