@@ -132,9 +132,12 @@ def check_chat_template(text: str) -> None:
 def chat_template_text(override: str) -> str:
     """--chat-template: a file's text, or an inline Jinja template. Anything else (a
     mistyped path) is a ValueError, not a template that renders the path as the prompt."""
-    path = Path(override)
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    try:
+        is_file = Path(override).is_file()
+    except OSError:  # a long inline template is no file name ("File name too long")
+        is_file = False
+    if is_file:
+        return Path(override).read_text(encoding="utf-8")
     if "{{" in override or "{%" in override:
         return override
     raise ValueError(f"--chat-template {override!r} is neither a file nor a Jinja template")

@@ -29,6 +29,9 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     assert chat_template_text("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         chat_template_text(str(tmp_path / "missing.jinja"))
+    # a real template inline: a part between slashes over 255 bytes (is_file raised OSError)
+    long = "{% for m in messages %}" + "{{ m['content'] }}" * 30 + "</s>{% endfor %}"
+    assert chat_template_text(long) == long
 
 
 @pytest.mark.parametrize("args,env,message", [
