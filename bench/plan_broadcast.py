@@ -61,6 +61,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from coordinator.blocks import BlockManager  # noqa: E402
+from coordinator.config import PLAN_POLL_SECONDS  # noqa: E402
 from coordinator.planner import Planner  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
 from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
@@ -109,7 +110,9 @@ def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # plans on a gloo group of their own, one channel for the whole run, as in the engine
-    channel = PlanChannel(dist.new_group(backend="gloo"))
+    spin_ms = args.spin_ms if args.spin_ms is not None else (
+        PLAN_POLL_SECONDS * 1e3 if torch.cuda.is_available() else 0.0)  # as the engine's ranks
+    channel = PlanChannel(dist.new_group(backend="gloo"), spin_s=spin_ms / 1e3 if rank else 0.0)
     if args.no_decode and rank == 1:
         import ranks.group
         ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
@@ -255,6 +258,9 @@ def main() -> None:
                    help="send each plan encoded, not from its laid-out message (for comparison)")
     p.add_argument("--no-decode", action="store_true",
                    help="rank 1 receives the bytes but does not decode them (for comparison)")
+    p.add_argument("--spin-ms", type=float, default=None,
+                   help="rank 1 polls for each plan this long before it blocks (default: as "
+                        "the engine, 5 on a machine with CUDA, else 0)")
     p.add_argument("--int32-tables", action="store_true",
                    help="block tables in int32 even where uint16 holds the pool (for comparison)")
     args = p.parse_args()

@@ -89,6 +89,9 @@ class EngineConfig:
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
+PLAN_POLL_SECONDS = 0.005  # ranks > 0 on GPUs poll for each plan this long before blocking
+
+
 def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None,
                  min_across_ranks: Callable[[int], int] = lambda x: x) -> ModelRunner:
     model_dir = config.model_dir()
@@ -153,7 +156,12 @@ def start_rank(config: EngineConfig, expected_tp: int | None = None
     if not ctx.is_driver:
         ignore_termination_signals()
     runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
-    return ctx, runner, PlanChannel(ctx.plan_group) if ctx.world_size > 1 else None
+    if ctx.world_size == 1:
+        return ctx, runner, None
+    # on GPUs a rank has a CPU core to spare: polling saves a blocked thread's wake-up on
+    # every plan (bench/plan_broadcast.py --spin-ms); on CPU it would take the forward's cores
+    spin_s = PLAN_POLL_SECONDS if runner.device.type == "cuda" else 0.0
+    return ctx, runner, PlanChannel(ctx.plan_group, spin_s=spin_s)
 
 
 def rank0_engine(config: EngineConfig) -> tuple[DistContext, Engine, PlanChannel | None] | None:

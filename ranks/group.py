@@ -77,8 +77,13 @@ class PlanChannel:
     message is then sized to fit it.
     """
 
-    def __init__(self, group: Any, min_message_bytes: int = 16 * 1024):
+    def __init__(self, group: Any, min_message_bytes: int = 16 * 1024, spin_s: float = 0.0):
+        """spin_s: a receiving rank polls for each plan this long before it blocks on it: a
+        thread woken from a blocking wait may start tens of µs late, and the sender waits for
+        a receiver that is ready (docs/benchmarks.md, "Plan broadcast"). Rank 0 does not
+        poll its sends: it has other threads, which a polling thread would keep off the GIL."""
         self.group = group
+        self.spin_s = spin_s
         self.min_bytes = min_message_bytes
         self.size = min_message_bytes  # of the next message, agreed by both sides
         self.buffer = torch.zeros(min_message_bytes, dtype=torch.uint8)  # reused; grows
@@ -138,7 +143,7 @@ class PlanChannel:
         in practice (as for rank 0's in-place advance; a pinned buffer would break this).
         One buffer beat two used in turn on the GPU machine (docs/benchmarks.md)."""
         message = self._receive_buffer(self.size)
-        dist.broadcast(message, src=0, group=self.group)
+        self._receive(message)
         head = message.numpy()
         n, next_size = (int(v) for v in head[:HEADER_BYTES].view("<u8"))
         k = min(n, self.size - HEADER_BYTES)
@@ -148,6 +153,16 @@ class PlanChannel:
         rest = self._rest(n - k)
         dist.broadcast(rest, src=0, group=self.group)
         return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
+
+    def _receive(self, data: torch.Tensor) -> None:
+        if not self.spin_s:
+            dist.broadcast(data, src=0, group=self.group)
+            return
+        work = dist.broadcast(data, src=0, group=self.group, async_op=True)
+        deadline = time.perf_counter() + self.spin_s
+        while not work.is_completed() and time.perf_counter() < deadline:
+            pass
+        work.wait()  # (raises what the broadcast raised)
 
     def _next_size(self, n: int) -> int:
         """Keep the agreed size while this plan fits in it and fills more than half of it;

@@ -44,7 +44,7 @@ def _equal(a: StepPlan, b: StepPlan) -> bool:
                for f in ("input_ids", "context_lens", "block_tables"))
 
 
-def _rank(rank: int, port: int, laid_out: bool, results) -> None:
+def _rank(rank: int, port: int, laid_out: bool, results, spin_s: float = 0.0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     calls = []
@@ -58,7 +58,7 @@ def _rank(rank: int, port: int, laid_out: bool, results) -> None:
     import ranks.group
     real_encoded = ranks.group.EncodedPlan
     ranks.group.EncodedPlan = lambda plan: encodes.append(1) or real_encoded(plan)
-    channel = PlanChannel(dist.group.WORLD)
+    channel = PlanChannel(dist.group.WORLD, spin_s=spin_s)
     counts, intact = [], []
     for i in range(len(SHAPES)):
         before = len(calls)
@@ -74,14 +74,16 @@ def _rank(rank: int, port: int, laid_out: bool, results) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("laid_out", [False, True], ids=["encoded", "laid-out"])
-def test_plans_of_changing_size_one_broadcast_when_they_fit(laid_out: bool) -> None:
+@pytest.mark.parametrize("laid_out,spin_s", [(False, 0.0), (True, 0.0), (True, 0.005)],
+                         ids=["encoded", "laid-out", "laid-out-polled"])
+def test_plans_of_changing_size_one_broadcast_when_they_fit(laid_out: bool, spin_s: float) -> None:
+    """(polled: rank 1 polls for each plan up to 5 ms before it blocks, as on CUDA)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, laid_out, results), nprocs=2)
+        mp.spawn(_rank, args=(port, laid_out, results, spin_s), nprocs=2)
         results = dict(results)
     assert results[1]["intact"] == [True] * len(SHAPES)
     assert results[0]["counts"] == results[1]["counts"] == EXPECTED_BROADCASTS
