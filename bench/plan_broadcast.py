@@ -64,7 +64,8 @@ from coordinator.blocks import BlockManager  # noqa: E402
 from coordinator.config import PLAN_POLL_SECONDS  # noqa: E402
 from coordinator.planner import Planner  # noqa: E402
 from coordinator.sampling_params import SamplingParams  # noqa: E402
-from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig  # noqa: E402
+from coordinator.scheduled_batch import ScheduledBatch
+from coordinator.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from coordinator.sequence import Request, SequenceFactory  # noqa: E402
 from ranks.group import PlanChannel  # noqa: E402
 from ranks.plan import block_table_dtype, encode_plan  # noqa: E402

@@ -30,7 +30,8 @@ from coordinator.engine_tokens import TokenSteps
 from coordinator.keepalive import PlanKeepalive
 from coordinator.sampler import Sampler, to_device
 from coordinator.sampling_params import SamplingParams
-from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from coordinator.scheduled_batch import ScheduledBatch
+from coordinator.scheduler import Scheduler, SchedulerConfig
 from coordinator.sequence import Request, Sequence, SequenceFactory
 from coordinator.validation import validate_prompt, validate_rows
 from coordinator.stop_strings import truncate_output, watches_stop_strings

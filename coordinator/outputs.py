@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from api.wire import Outputs, RequestOutput, SequenceOutput
 from coordinator.beam_search import BeamSearch
-from coordinator.scheduler import ScheduledBatch
+from coordinator.scheduled_batch import ScheduledBatch
 from coordinator.sequence import Request, Sequence, SeqStatus
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.scheduler import ScheduledBatch
+from coordinator.scheduled_batch import ScheduledBatch
 from coordinator.sequence import Sequence
 from ranks.plan import PlanMessage, StepKind, StepPlan
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.scheduler import ScheduledBatch
+from coordinator.scheduled_batch import ScheduledBatch
 
 
 class PendingTokens:

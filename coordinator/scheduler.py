@@ -16,11 +16,12 @@ each sequence again; anything else takes the general pass.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from coordinator.blocks import BlockManager
+from coordinator.scheduled_batch import ScheduledBatch
 from coordinator.sequence import LAST_GENERATED, Request, Sequence, SeqStatus
 
 
@@ -32,80 +33,6 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-
-
-def is_special_row(seq: Sequence) -> bool:
-    """seq's row needs the planner's closer look: it computes a prompt token, or scores its
-    last token (LAST_GENERATED). The running loop inlines this test."""
-    return seq.num_computed_tokens < seq.num_prompt_tokens or seq.scoring_reason is not None
-
-
-@dataclass
-class ScheduledBatch:
-    """Sequences of one step and how many new tokens each computes, in packed order.
-
-    The per-row lists are read from each sequence in the scheduler's own pass over it, so
-    that a steady decode step's plan is built from them: the planner reads a sequence only
-    when its block table changed, and every row only when has_special_rows says some row
-    needs a closer look (mixed and prefill steps read every sequence)."""
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
-    # each sequence's newest token; None when they are still being sampled on the device (a
-    # step scheduled ahead, Scheduler.schedule_ahead: the runner takes them from there)
-    last_token_ids: list[int] | None = field(default_factory=list)
-    table_stamps: list[int] = field(default_factory=list)  # block_table_version after appends
-    # some row computes a prompt token or scores its last token (LAST_GENERATED)
-    has_special_rows: bool = False
-    all_single: bool = True  # every row's request is Request.single (never forks)
-    block_capacities: np.ndarray | None = None  # per row, tokens its blocks hold (steady steps)
-    # some row computes fewer tokens than it has uncomputed (the token budget ran out, or
-    # beams hold back their last token): the step is not decode-shaped even if each computes 1
-    partial: bool = False
-    preempted: list[Request] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
-    serial: int = 0  # this batch's number in the scheduler's count
-    # a steady step: the serial of the batch whose rows this one advances by a token each
-    # (the same sequences in the same order, each table exactly the blocks its tokens fill;
-    # else -1); the rows whose tables grew since, by one block each, the blocks' indices in
-    # their tables and the blocks (int64 arrays: the planner scatters them)
-    follows: int = -1
-    grown_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    grown_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    grown_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def all_plain_rows(self) -> bool:
-        """Every row a Request.single row, none special or partial, with no copies or
-        preemptions: a batch whose next decode step may come from arrays (note_advanced)
-        and that may run ahead of its sampling (coordinator/run_ahead.py)."""
-        return (self.all_single and not self.has_special_rows and not self.partial
-                and not self.block_copies and not self.preempted)
-
-    def add(self, seq: Sequence, n: int) -> None:
-        """Schedule n new tokens of seq (the running loop inlines this)."""
-        computed = seq.num_computed_tokens
-        self.seqs.append(seq)
-        self.num_new_tokens.append(n)
-        self.context_lens.append(computed + n)
-        self.last_token_ids.append(seq.token_ids[-1])
-        self.table_stamps.append(seq.block_table_version)
-        self.partial |= computed + n < seq.num_tokens
-        self.has_special_rows |= is_special_row(seq)
-        self.all_single &= seq.request.single
-
-    def drop(self, seq: Sequence) -> None:
-        """Unschedule seq (preempted after it was scheduled); the flags are recomputed from
-        the rows left (preemption is rare)."""
-        i = self.seqs.index(seq)
-        for rows in (self.seqs, self.num_new_tokens, self.context_lens, self.last_token_ids,
-                     self.table_stamps):
-            del rows[i]
-        self.partial = any(n < s.num_tokens for s, n in zip(self.seqs, self.context_lens))
-        self.has_special_rows = any(map(is_special_row, self.seqs))
 
 
 class Scheduler:

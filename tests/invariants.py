@@ -33,7 +33,7 @@ import numpy as np
 from coordinator.blocks import BlockManager
 from coordinator.engine import Engine
 from coordinator.planner import PlanRows, _mixed_plan
-from coordinator.scheduler import ScheduledBatch
+from coordinator.scheduled_batch import ScheduledBatch
 from coordinator.sequence import SeqStatus
 from ranks.plan import (_ARRAY_FIELDS, TRANSPORT_HEADER_BYTES, StepKind, StepPlan,
                         block_table_dtype, decode_plan)

@@ -18,7 +18,8 @@ import pytest
 from coordinator.blocks import BlockManager
 from coordinator.planner import Planner
 from coordinator.sampling_params import SamplingParams
-from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from coordinator.scheduled_batch import ScheduledBatch
+from coordinator.scheduler import Scheduler, SchedulerConfig
 from coordinator.sequence import Request, SequenceFactory
 from ranks.plan import PlanMessage, StepKind
 from tests.invariants import check_plan

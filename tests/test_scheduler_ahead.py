@@ -10,7 +10,8 @@ import numpy as np
 
 from coordinator.blocks import BlockManager
 from coordinator.sampling_params import SamplingParams
-from coordinator.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from coordinator.scheduled_batch import ScheduledBatch
+from coordinator.scheduler import Scheduler, SchedulerConfig
 from coordinator.sequence import Request, SeqStatus, SequenceFactory
 
 BLOCK = 4
