@@ -53,7 +53,9 @@ def run_local_group(nproc: int, argv: list[str], grace_s: float = 30.0) -> int:
 
 
 def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
-    """Wait for every rank; after the first failure give the rest grace_s, then kill them."""
+    """Wait for every rank; after the first failure give the rest grace_s, then kill them.
+    The first failing rank's exit status (128 + N for one a signal N ended: a negative
+    status given to sys.exit would come out as 256 - N)."""
     failed_at = None
     while any(p.poll() is None for p in ranks):
         codes = [p.returncode for p in ranks if p.returncode not in (None, 0)]
@@ -67,4 +69,5 @@ def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.1)
-    return next((p.returncode for p in ranks if p.returncode != 0), 0)
+    code = next((p.returncode for p in ranks if p.returncode != 0), 0)
+    return 128 - code if code < 0 else code  # a rank killed by signal N: the shell's 128 + N

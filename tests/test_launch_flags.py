@@ -117,3 +117,16 @@ def test_local_ranks_run_one_openmp_thread(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a user's own setting stands
     assert run_local_group(2, [str(script), str(tmp_path)]) == 0
     assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["3", "3"]
+
+
+def test_a_rank_ended_by_a_signal_gives_the_shells_status():
+    """The local launcher returned a signalled rank's negative status, which sys.exit turned
+    into 256 - N (241 for a SIGTERM during start-up; an outside tester): now 128 + N."""
+    import signal
+
+    from ranks.local_group import _wait
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    victim.send_signal(signal.SIGTERM)
+    assert _wait([sleeper, victim], grace_s=5) == 128 + signal.SIGTERM
+    assert sleeper.poll() is not None  # the other rank was stopped
