@@ -57,7 +57,7 @@ def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
     The first failing rank's exit status (128 + N for one a signal N ended: a negative
     status given to sys.exit would come out as 256 - N)."""
     failed_at = None
-    while any(p.poll() is None for p in ranks):
+    while [p.poll() for p in ranks].count(None):  # polls every rank (any() would stop early)
         codes = [p.returncode for p in ranks if p.returncode not in (None, 0)]
         if codes and failed_at is None:
             failed_at = time.monotonic()
