@@ -288,24 +288,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_before_loading(args: argparse.Namespace, config: EngineConfig) -> None:
     """Rank 0's start-up checks that need no model: the serving tokenizer loads, the custom
-    module's class is found, and the HTTP port is free."""
+    module is there, and the HTTP port is free."""
     from api.tokenizer import TextTokenizer
-    from model.custom_output import load_handler_class
+    from model.custom_output import check_handler_spec
     folder = config.tokenizer or config.model_dir()
     try:
         TextTokenizer.from_dir(folder, args.chat_template)
     except FileNotFoundError as e:
         raise ValueError(f"the API needs a tokenizer: {e} (--tokenizer DIR)") from None
     except Exception as e:  # the tokenizers library's parse errors name no file
-        raise ValueError(f"{folder}/tokenizer.json cannot be loaded: {e}") from None
+        raise ValueError(f"the tokenizer in {folder} cannot be loaded (tokenizer.json, "
+                         f"tokenizer_config.json): {e}") from None
     if config.custom_module:
-        load_handler_class(config.custom_module)
-    with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as probe:
+        check_handler_spec(config.custom_module)  # found, not imported: it is loaded once
+    ipv6 = ":" in args.host
+    with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if ipv6:  # as uvicorn's (asyncio's) listener: IPv6 only, beside any IPv4 socket
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         try:
             probe.bind((args.host, args.port))
         except OSError as e:
-            raise ValueError(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}") from None
+            where = f"[{args.host}]:{args.port}" if ipv6 else f"{args.host}:{args.port}"
+            raise ValueError(f"cannot serve on {where}: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":

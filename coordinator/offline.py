@@ -102,8 +102,8 @@ class LLM:
         if self.tokenizer is None:
             where = (f"--tokenizer {self.config.tokenizer} has none" if self.config.tokenizer
                      else "the model folder has none")
-            raise ValueError(f"a text prompt needs a tokenizer, and {where}: pass token ids or "
-                             "EngineConfig(tokenizer=...)")
+            raise ValueError(f"a text prompt needs a tokenizer, and {where}: pass token ids, "
+                             "or a tokenizer folder (EngineConfig(tokenizer=...), --tokenizer)")
         return self.tokenizer.encode(prompt)
 
     def _abort(self, request_ids: list[str]) -> None:

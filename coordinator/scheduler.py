@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.blocks import BlockManager
-from coordinator.scheduled_batch import ScheduledBatch
+from coordinator.scheduled_batch import ScheduledBatch, is_special_row
 from coordinator.sequence import LAST_GENERATED, Request, Sequence, SeqStatus
 
 
@@ -180,7 +180,10 @@ class Scheduler:
             if not special and (computed < seq.num_prompt_tokens or seq.scoring_reason is not None):
                 special = True  # is_special_row, inlined
             budget -= n
-        batch.has_special_rows |= special
+        if batch.preempted:  # a row that set `special` may have been dropped since
+            batch.has_special_rows = any(map(is_special_row, batch.seqs))
+        else:
+            batch.has_special_rows |= special
         batch.all_single &= all_single
         return budget
 

@@ -84,7 +84,7 @@ class ModelConfig:
         if act not in ("silu", "swish"):  # transformers' names for SiLU, the only one here
             raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
         _refuse_sliding_window(raw)
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = _flag(raw, "attention_bias")
         eos = _as_list(raw.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
         return cls(
             architecture=arch,
@@ -95,14 +95,14 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=_positive_number("rms_norm_eps", raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_positive_number("rope_theta", rope_theta),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
             rope_scaling=rope_scaling,
             attention_bias=arch == "qwen2" or attention_bias,
             o_proj_bias=arch != "qwen2" and attention_bias,  # as transformers' models
-            mlp_bias=arch == "llama" and bool(raw.get("mlp_bias", False)),
+            mlp_bias=arch == "llama" and _flag(raw, "mlp_bias"),
             qk_norm=arch == "qwen3",
             eos_token_ids=list(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
@@ -123,11 +123,27 @@ class ModelConfig:
         return cls.from_dict(raw, gen)
 
 
+def _flag(raw: dict, name: str) -> bool:
+    """A true/false field (null or absent: false); "false" as a string is not taken as true."""
+    value = raw.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"config field {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"config field {name} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _rope_scaling(scaling: dict | None) -> dict | None:
     """The rope scaling to apply (None for none or "default"); a ValueError for a kind not
     served or one that lacks a field it needs."""
     if scaling is None:
         return None
+    if not isinstance(scaling, dict):
+        raise ValueError(f"config field rope_scaling must be an object, got {scaling!r}")
     scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":

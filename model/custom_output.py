@@ -144,6 +144,23 @@ def load_handler_class(spec: str) -> type:
     return found[0]
 
 
+def check_handler_spec(spec: str) -> None:
+    """A HandlerLoadError when the module of a `--custom-module` spec cannot be found: the
+    file does not exist, or no module of that name is importable. Nothing is imported or run
+    (the module is loaded once, on rank 0, after the process group and the model)."""
+    target = spec.partition(":")[0]
+    if target.endswith(".py") or "/" in target:
+        if not Path(target).is_file():
+            raise HandlerLoadError(f"custom module file not found: {target}")
+        return
+    try:
+        found = importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or not a package
+        found = False
+    if not found:
+        raise HandlerLoadError(f"cannot import custom module {target!r}: no such module")
+
+
 def _looks_like_handler(cls: type) -> bool:
     return callable(getattr(cls, "select_token_position", None)) and \
         callable(getattr(cls, "forward", None))

@@ -277,6 +277,13 @@ def test_config_errors_are_value_errors_naming_the_field() -> None:
         ModelConfig.from_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="lacks the field 'num_attention_heads'"):
         ModelConfig.from_dict({k: v for k, v in raw.items() if k != "num_attention_heads"})
+    wrong = [("rope_scaling", "linear", "rope_scaling must be an object"),
+             ("rms_norm_eps", "x", "rms_norm_eps must be a positive number"),
+             ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false")]
+    for field, value, message in wrong:  # ("false" was served as tied: bool("false"))
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict({**raw, field: value})
+    assert ModelConfig.from_dict({**raw, "tie_word_embeddings": None}).tie_word_embeddings is False
     cfg = ModelConfig.from_dict({**raw, "intermediate_size": 97})
     with pytest.raises(ValueError, match=r"intermediate_size \(97\) is not divisible"):
         MLP(cfg, TPGroup(rank=0, size=2))

@@ -96,7 +96,7 @@ def test_broken_checkpoints_and_modules_are_one_line_errors(tmp_path):
         (["--model", variant("st", lambda f: (f / "model.safetensors").write_bytes(b"\x07" * 99))],
          "model.safetensors: not a readable safetensors file"),
         (["--model", variant("tok", lambda f: (f / "tokenizer.json").write_text('{"a":'))],
-         "tokenizer.json cannot be loaded"),
+         "cannot be loaded (tokenizer.json, tokenizer_config.json)"),
         (["--model", variant("index", lambda f: (f / "model.safetensors.index.json").write_text(
             json.dumps({"weight_map": {"x": "gone.safetensors"}})))], "names shards that are not there"),
         (["--custom-module", str(tmp_path / "two.py")], "name the handler class"),
@@ -133,3 +133,19 @@ def test_a_rank_ended_by_a_signal_gives_the_shells_status():
     start = time.monotonic()
     assert _wait([sleeper, victim], grace_s=5) == 128 + signal.SIGTERM
     assert sleeper.poll() is not None and time.monotonic() - start < 10  # stopped, not awaited
+
+
+def test_the_early_custom_module_check_imports_nothing(tmp_path):
+    """Rank 0 checks --custom-module before the model loads, without running it: the module
+    is imported once, later, with the process group up (the early check imported it: a file
+    module ran twice, and one reading the process group at import was refused)."""
+    from model.custom_output import HandlerLoadError, check_handler_spec, load_handler_class
+    module = tmp_path / "loud.py"
+    module.write_text("raise RuntimeError('imported')\n")
+    check_handler_spec(f"{module}:Head")  # found; not run
+    check_handler_spec("json:JSONDecoder")
+    with pytest.raises(HandlerLoadError, match="imported"):
+        load_handler_class(f"{module}:Head")
+    for missing in (str(tmp_path / "gone.py"), "nosuchpkg.mod:H", "json.nosuch:H"):
+        with pytest.raises(HandlerLoadError):
+            check_handler_spec(missing)

@@ -267,8 +267,12 @@ def test_hung_rank_ends_group_within_a_peer_timeout(tmp_path):
         while not _exited(rank0) and time.monotonic() - stopped < 60:
             time.sleep(0.2)
         assert time.monotonic() - stopped < 45, server.tail()
-    finally:
-        os.killpg(server.proc.pid, signal.SIGKILL)  # (rank 1 too, stopped as it is)
+    finally:  # torchrun starts each rank in a session of its own: kill them by pid
+        for pid in (rank0, rank1, server.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)  # (rank 1 stopped as it is)
+            except ProcessLookupError:
+                pass
         server.proc.wait(10)
 
 
