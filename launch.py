@@ -74,10 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "generation_config.json: temperature, top_k, top_p, min_p, repetition_penalty, as "
            "vLLM, but not max_new_tokens), vllm (none: temperature 1, no top-k/top-p), or a "
            "folder holding a generation_config.json")
-    a("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    a("--log-requests", action="store_true",
+      help="log each request's id, path, token counts, params and finish (never its text)")
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
     args = p.parse_args(argv)
+    absolute_paths(args)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key:
@@ -87,6 +89,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.shutdown_timeout >= 0:  # (NaN too)
         p.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return args
+
+
+def absolute_paths(args: argparse.Namespace) -> None:
+    """Paths given relative to where the launch ran, made absolute: the API process runs in
+    the repository's folder (a relative --tokenizer or --chat-template failed there)."""
+    for name in ("model", "tokenizer"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    if args.chat_template and _is_file(args.chat_template):
+        args.chat_template = os.path.abspath(args.chat_template)
+    if args.generation_config not in ("auto", "vllm"):
+        args.generation_config = os.path.abspath(args.generation_config)
+    target, colon, name = (args.custom_module or "").partition(":")
+    if target.endswith(".py") or "/" in target:
+        args.custom_module = os.path.abspath(target) + colon + name
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return os.path.isfile(path)
+    except (OSError, ValueError):  # an inline template: too long, or a NUL in it
+        return False
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

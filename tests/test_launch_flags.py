@@ -149,3 +149,32 @@ def test_the_early_custom_module_check_imports_nothing(tmp_path):
     for missing in (str(tmp_path / "gone.py"), "nosuchpkg.mod:H", "json.nosuch:H"):
         with pytest.raises(HandlerLoadError):
             check_handler_spec(missing)
+
+
+def test_relative_paths_are_read_from_where_the_launch_ran(tmp_path):
+    """--model and --chat-template relative to the caller's folder (an outside tester: the
+    API process, which runs in the repository's folder, could not find them, and the server
+    died after the model had loaded)."""
+    import signal
+
+    import httpx
+
+    from tests.api_helpers import free_port, wait_healthy
+    from tests.checkpoints import make_tiny_checkpoint
+    make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True)
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--model", "ckpt",
+                             "--chat-template", "t.jinja", "--custom-module", "none",
+                             "--device", "cpu", "--port", str(port)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120) == "healthy"
+        r = httpx.post(f"http://127.0.0.1:{port}/tokenize",
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and "".join(r.json()["token_strs"]) == "hi|"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
