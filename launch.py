@@ -94,9 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def absolute_paths(args: argparse.Namespace) -> None:
     """Paths given relative to where the launch ran, made absolute: the API process runs in
     the repository's folder (a relative --tokenizer or --chat-template failed there)."""
-    for name in ("model", "tokenizer"):
+    for name in ("model", "tokenizer"):  # (~ too: `--model=~/x` reaches us unexpanded)
         if getattr(args, name):
-            setattr(args, name, os.path.abspath(getattr(args, name)))
+            setattr(args, name, os.path.abspath(os.path.expanduser(getattr(args, name))))
     if args.chat_template and _is_file(args.chat_template):
         args.chat_template = os.path.abspath(args.chat_template)
     if args.generation_config not in ("auto", "vllm"):

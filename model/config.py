@@ -132,8 +132,9 @@ def _flag(raw: dict, name: str) -> bool:
 
 
 def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"config field {name} must be a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < float("inf"):
+        raise ValueError(f"config field {name} must be a finite positive number, got {value!r}")
     return float(value)
 
 

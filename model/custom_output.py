@@ -146,19 +146,20 @@ def load_handler_class(spec: str) -> type:
 
 def check_handler_spec(spec: str) -> None:
     """A HandlerLoadError when the module of a `--custom-module` spec cannot be found: the
-    file does not exist, or no module of that name is importable. Nothing is imported or run
-    (the module is loaded once, on rank 0, after the process group and the model)."""
+    file does not exist, or its top-level package is not importable. Nothing is imported or
+    run (the module is loaded once, on rank 0, after the process group and the model)."""
     target = spec.partition(":")[0]
     if target.endswith(".py") or "/" in target:
         if not Path(target).is_file():
             raise HandlerLoadError(f"custom module file not found: {target}")
         return
+    top = target.split(".")[0]  # (finding a submodule would run its packages' __init__)
     try:
-        found = importlib.util.find_spec(target) is not None
-    except (ImportError, ValueError):  # a parent package that is missing or not a package
+        found = bool(top) and importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
         found = False
     if not found:
-        raise HandlerLoadError(f"cannot import custom module {target!r}: no such module")
+        raise HandlerLoadError(f"cannot import custom module {target!r}: no module {top!r}")
 
 
 def _looks_like_handler(cls: type) -> bool:

@@ -56,11 +56,11 @@ def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
     """Wait for every rank; after the first failure give the rest grace_s, then kill them.
     The first failing rank's exit status (128 + N for one a signal N ended: a negative
     status given to sys.exit would come out as 256 - N)."""
-    failed_at = None
+    failed_at, first = None, 0  # the first failure's status (not that of a rank we stopped)
     while [p.poll() for p in ranks].count(None):  # polls every rank (any() would stop early)
         codes = [p.returncode for p in ranks if p.returncode not in (None, 0)]
         if codes and failed_at is None:
-            failed_at = time.monotonic()
+            failed_at, first = time.monotonic(), codes[0]
             for p in ranks:
                 if p.poll() is None:
                     p.terminate()
@@ -69,5 +69,5 @@ def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.1)
-    code = next((p.returncode for p in ranks if p.returncode != 0), 0)
+    code = first or next((p.returncode for p in ranks if p.returncode != 0), 0)
     return 128 - code if code < 0 else code  # a rank killed by signal N: the shell's 128 + N

@@ -278,7 +278,8 @@ def test_config_errors_are_value_errors_naming_the_field() -> None:
     with pytest.raises(ValueError, match="lacks the field 'num_attention_heads'"):
         ModelConfig.from_dict({k: v for k, v in raw.items() if k != "num_attention_heads"})
     wrong = [("rope_scaling", "linear", "rope_scaling must be an object"),
-             ("rms_norm_eps", "x", "rms_norm_eps must be a positive number"),
+             ("rms_norm_eps", "x", "rms_norm_eps must be a finite positive number"),
+             ("rope_theta", float("inf"), "rope_theta must be a finite positive number"),
              ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false")]
     for field, value, message in wrong:  # ("false" was served as tied: bool("false"))
         with pytest.raises(ValueError, match=message):

@@ -133,6 +133,10 @@ def test_a_rank_ended_by_a_signal_gives_the_shells_status():
     start = time.monotonic()
     assert _wait([sleeper, victim], grace_s=5) == 128 + signal.SIGTERM
     assert sleeper.poll() is not None and time.monotonic() - start < 10  # stopped, not awaited
+    # the first failure's status, not that of a rank the launcher then stopped
+    stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 30"])
+    failing = subprocess.Popen(["bash", "-c", "sleep 0.3; exit 3"])
+    assert _wait([stubborn, failing], grace_s=1) == 3
 
 
 def test_the_early_custom_module_check_imports_nothing(tmp_path):
@@ -146,9 +150,18 @@ def test_the_early_custom_module_check_imports_nothing(tmp_path):
     check_handler_spec("json:JSONDecoder")
     with pytest.raises(HandlerLoadError, match="imported"):
         load_handler_class(f"{module}:Head")
-    for missing in (str(tmp_path / "gone.py"), "nosuchpkg.mod:H", "json.nosuch:H"):
+    for missing in (str(tmp_path / "gone.py"), "nosuchpkg.mod:H"):
         with pytest.raises(HandlerLoadError):
             check_handler_spec(missing)
+    package = tmp_path / "loudpkg"  # a package's __init__ does not run either
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    import sys as _sys
+    _sys.path.insert(0, str(tmp_path))
+    try:
+        check_handler_spec("loudpkg.mod:Head")
+    finally:
+        _sys.path.remove(str(tmp_path))
 
 
 def test_relative_paths_are_read_from_where_the_launch_ran(tmp_path):
