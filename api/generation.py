@@ -145,8 +145,7 @@ class Generation:
             self.prompts[rid] = PromptState(rid, ids, params, first)
             first += params.n
         self.start_time = time.monotonic()
-        self._first_token_time: float | None = None
-        self._last_token_time: float | None = None
+        self._last_token_time: dict[int, float] = {}  # per client choice (metrics)
 
     # ---- applying outputs ------------------------------------------------------------
     def apply(self, out: wire.RequestOutput) -> list[ChoiceDelta]:
@@ -164,7 +163,7 @@ class Generation:
             deltas += self._finish_rest(state)
         elif state.all_done():
             self.group.abort_one(state.request_id)  # every choice cut by a stop string
-        self._observe(sum(len(d.token_ids) for d in deltas))
+        self._observe(deltas)
         return sorted(deltas, key=lambda d: d.index)
 
     def _choice(self, state: PromptState, seq_index: int) -> Choice:
@@ -261,19 +260,25 @@ class Generation:
                                           finish_reason="length"))
         return deltas
 
-    def _observe(self, new_tokens: int) -> None:
-        if not new_tokens or self.metrics is None:
+    def _observe(self, deltas: list[ChoiceDelta]) -> None:
+        """Token metrics per choice, as vLLM's (each of n samples is a request of its own
+        there): a choice's first tokens give a time to first token, later ones the gap since
+        that choice's last tokens, split over them."""
+        if self.metrics is None:
             return
         now = time.monotonic()
-        if self._first_token_time is None:
-            self._first_token_time = now
-            self.metrics.ttft.observe(now - self.start_time)
-        elif self._last_token_time is not None:
-            gap = (now - self._last_token_time) / new_tokens
-            for _ in range(new_tokens):
-                self.metrics.itl.observe(gap)
-        self._last_token_time = now
-        self.metrics.generation_tokens.inc(new_tokens)
+        for d in deltas:
+            n = len(d.token_ids)
+            if not n:
+                continue
+            last = self._last_token_time.get(d.index)
+            if last is None:
+                self.metrics.ttft.observe(now - self.start_time)
+            else:
+                for _ in range(n):
+                    self.metrics.itl.observe((now - last) / n)
+            self._last_token_time[d.index] = now
+            self.metrics.generation_tokens.inc(n)
 
     # ---- reading ---------------------------------------------------------------------
     async def run(self):

@@ -47,17 +47,17 @@ class Gate:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path, start = scope["path"], time.monotonic()
+        measured = path in _GENERATION_PATHS
         if self._key is not None and path != "/health" and not self._authorized(scope):
-            return await _send_error(send, ApiError(401, "invalid or missing API key"), path)
+            return await self._refuse(send, ApiError(401, "invalid or missing API key"), path,
+                                      start)
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            return await _send_error(send, self._too_large(), path)
-        start = time.monotonic()
+            return await self._refuse(send, self._too_large(), path, start)
         body, ended = await _read_body(receive, self.config.max_body_bytes)
         if ended == "too large":
-            return await _send_error(send, self._too_large(), path)
-        measured = path in _GENERATION_PATHS
+            return await self._refuse(send, self._too_large(), path, start)
         if ended == "client gone":  # the upload was cut off: nothing to parse or answer
             if measured:
                 self._count(path, start, CLIENT_GONE)
@@ -74,6 +74,12 @@ class Gate:
         finally:  # a response cut short counts as the client's leaving (499) or a failure
             self._count(path, start, response.status if response.complete else
                         CLIENT_GONE if client.gone and not failed else 500)
+
+    async def _refuse(self, send: Any, error: ApiError, path: str, start: float) -> None:
+        """Answer an error before the app runs (401, 413); a generation path counts it."""
+        await _send_error(send, error, path)
+        if path in _GENERATION_PATHS:
+            self._count(path, start, error.status)
 
     def _count(self, path: str, start: float, status: int) -> None:
         self.metrics.e2e.observe(time.monotonic() - start)

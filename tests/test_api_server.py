@@ -422,3 +422,27 @@ def test_metrics_exported(server):
                  "tapserve_custom_output_errors_total"):
         assert name in text, name
     assert metric(server, "tapserve_custom_output_calls_total") > 0
+
+
+def _labelled(server, line_start: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def test_token_latencies_per_choice_and_refusals_counted(server, http):
+    """Found by an outside tester: with n > 1 the inter-token latency was the gap between
+    any two choices' tokens (one clock for the request: n times too low), and there was one
+    time to first token per request; 401 and 413 answers were missing from requests_total."""
+    ttft, itl = ("tapserve_time_to_first_token_seconds_count",
+                 "tapserve_inter_token_latency_seconds_count")
+    before = metric(server, ttft), metric(server, itl)
+    body = {"model": "tapserve-demo", "prompt": PROMPT, "max_tokens": 30, "n": 4,
+            "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        sse_events(r)
+    ttfts, gaps = metric(server, ttft) - before[0], metric(server, itl) - before[1]
+    assert ttfts == 4 and 100 <= gaps <= 4 * 29, (ttfts, gaps)  # (merged deltas: fewer gaps)
+    refused = 'tapserve_requests_total{endpoint="/v1/completions",status="401"}'
+    count = _labelled(server, refused)
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert _labelled(server, refused) == count + 1
