@@ -72,6 +72,9 @@ class LLM:
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         cop = custom_output_params or [None] * len(prompts)
+        if not len(params_list) == len(cop) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts, but {len(params_list)} sampling params "
+                             f"and {len(cop)} custom_output_params: give one per prompt")
         results: dict[str, GenerationResult] = {}
         token_ids = [self._encode(prompt) for prompt in prompts]  # before anything is queued
         for ids, p, c in zip(token_ids, params_list, cop):
@@ -84,17 +87,27 @@ class LLM:
                     self._abort(list(results)[:-1])  # this call's requests must not linger
                     raise
                 results[rid].error_code, results[rid].error_message = e.code, e.message
+        try:
+            self._run(results)
+        except BaseException:
+            try:  # a step that raised leaves none of them behind for the next call
+                self._abort(list(results))
+            except Exception:
+                pass  # (the step's own error is the one to report)
+            raise
+        if self.tokenizer is not None:
+            for r in results.values():
+                for o in r.outputs:
+                    o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return list(results.values())
+
+    def _run(self, results: dict[str, GenerationResult]) -> None:
         while self.engine.has_work():
             step = self.engine.step()
             for out in step.outputs:
                 results[out.request_id].accumulate(out)
             for rid, token in zip(step.token_request_ids, step.new_token_ids):
                 results[rid].outputs[0].token_ids.append(token)  # sequence 0's next token
-        if self.tokenizer is not None:
-            for r in results.values():
-                for o in r.outputs:
-                    o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-        return list(results.values())
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

@@ -42,6 +42,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "top_k", "n", "num_beams", "min_tokens", "top_logprobs",
+                     "seed"):
+            value = getattr(self, name)
+            if (value is not None or name != "seed") \
+                    and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

@@ -86,6 +86,9 @@ BAD_PARAMS = [
     ("top_k", dict(top_k=-2)), ("min_p", dict(min_p=1.5)),
     ("repetition_penalty", dict(repetition_penalty=0.0)),
     ("num_beams", dict(num_beams=0)), ("top_logprobs", dict(top_logprobs=-1)),
+    # not integers (an outside tester: n=2.5 raised inside the engine's step)
+    ("n", dict(n=2.5)), ("max_new_tokens", dict(max_new_tokens=1.5)),
+    ("max_new_tokens", dict(max_new_tokens=True)), ("seed", dict(seed=1.0)),
 ]
 
 
@@ -95,6 +98,16 @@ def test_bad_sampling_params_name_the_field(field, kwargs) -> None:
         SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=field):  # the API path builds them from JSON
         SamplingParams.from_dict(json.loads(json.dumps(kwargs)))
+
+
+def test_params_lists_must_match_the_prompts(llm, good, good_tokens) -> None:
+    """A params or custom_output_params list shorter than the prompts silently dropped the
+    prompts past it (zip); now a ValueError, and the engine stays clean."""
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(good, [greedy(NEW)] * (len(good) - 1))
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(good, greedy(NEW), custom_output_params=[None])
+    assert token_ids(run(llm, good, greedy(NEW))) == good_tokens
 
 
 def test_unknown_sampling_field_is_named() -> None:
