@@ -142,7 +142,8 @@ def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int:
+    """Run this rank; tokenizer: rank 0's, from check_before_loading."""
     from coordinator.config import start_rank
     from ranks.group import shutdown_distributed
     from ranks.worker import run_worker
@@ -156,7 +157,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             run_worker(runner, channel)
             code = 0
         else:
-            code = run_coordinator(args, config, driver_engine(config, runner, channel), channel)
+            engine = driver_engine(config, runner, channel, tokenizer)
+            code = run_coordinator(args, config, engine, channel)
     except Exception:  # a collective may have failed: a hung peer would hold the exit again
         traceback.print_exc()  # in leaving the groups, or the interpreter's teardown of them,
         sys.stderr.flush()     # for another whole peer timeout
@@ -165,34 +167,21 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     return code
 
 
-def driver_engine(config: EngineConfig, runner, channel):
+def driver_engine(config: EngineConfig, runner, channel, tokenizer):
     """Rank 0's engine; a start-up error (the custom handler's, say) stops the other ranks
-    with the stop plan and ends this one with its message."""
-    from coordinator.config import build_engine
-    from ranks.group import shutdown_distributed
-    from ranks.plan import StepKind, StepPlan
+    with the stop plan and ends this one with its message. With a custom head, the API's
+    tokenizer (checked before loading) serves rank 0 too: it detects the stop strings of
+    LAST_GENERATED requests (coordinator/stop_strings.py)."""
+    from coordinator.config import build_engine, stop_group
+    from coordinator.loop import FAILED_STOP_SECONDS
     try:
-        return build_engine(config, runner, channel, serving_text_decoder(config))
+        return build_engine(config, runner, channel, tokenizer if config.custom_module else None)
     except STARTUP_ERRORS as e:
-        if channel is not None:
-            try:
-                channel.send(StepPlan(kind=StepKind.STOP), timeout_s=5.0)
-            except RuntimeError:
-                pass
-            shutdown_distributed()
+        try:
+            stop_group(channel, FAILED_STOP_SECONDS)
+        except RuntimeError:
+            pass  # a peer already gone
         raise SystemExit(str(e)) from None
-
-
-def serving_text_decoder(config: EngineConfig):
-    """The API's tokenizer on rank 0 too, when a custom head may score generated tokens: rank
-    0 then detects stop strings of LAST_GENERATED requests (coordinator/stop_strings.py)."""
-    if not config.custom_module:
-        return None
-    from api.tokenizer import TextTokenizer
-    try:
-        return TextTokenizer.from_dir(config.tokenizer or config.model_dir())
-    except FileNotFoundError:
-        return None
 
 
 def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
@@ -301,23 +290,24 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--prompt: {e}") from None
     # before the model loads: a bad generation_config.json, tokenizer, custom module or port
     # fails at once, not after minutes of loading
+    tokenizer = None
     try:
         args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
         if os.environ.get("RANK", "0") == "0":
-            check_before_loading(args, config)
+            tokenizer = check_before_loading(args, config)
     except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
-    return serve(args, config)
+    return serve(args, config, tokenizer)
 
 
-def check_before_loading(args: argparse.Namespace, config: EngineConfig) -> None:
-    """Rank 0's start-up checks that need no model: the serving tokenizer loads, the custom
-    module is there, and the HTTP port is free."""
+def check_before_loading(args: argparse.Namespace, config: EngineConfig):
+    """Rank 0's start-up checks that need no model: the serving tokenizer loads (returned),
+    the custom module is there, and the HTTP port is free."""
     from api.tokenizer import TextTokenizer
     from model.custom_output import check_handler_spec
     folder = config.tokenizer or config.model_dir()
     try:
-        TextTokenizer.from_dir(folder, args.chat_template)
+        tokenizer = TextTokenizer.from_dir(folder, args.chat_template)
     except FileNotFoundError as e:
         raise ValueError(f"the API needs a tokenizer: {e} (--tokenizer DIR)") from None
     except Exception as e:  # the tokenizers library's parse errors name no file
@@ -335,6 +325,7 @@ def check_before_loading(args: argparse.Namespace, config: EngineConfig) -> None
         except OSError as e:
             where = f"[{args.host}]:{args.port}" if ipv6 else f"{args.host}:{args.port}"
             raise ValueError(f"cannot serve on {where}: {e.strerror or e}") from None
+    return tokenizer
 
 
 if __name__ == "__main__":

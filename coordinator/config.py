@@ -177,8 +177,9 @@ def rank0_engine(config: EngineConfig) -> tuple[DistContext, Engine, PlanChannel
     return ctx, build_engine(config, runner, channel), channel
 
 
-def stop_group(channel: PlanChannel | None) -> None:
-    """Rank 0: send the stop plan (with several ranks) and leave the group."""
+def stop_group(channel: PlanChannel | None, timeout_s: float | None = None) -> None:
+    """Rank 0: send the stop plan (with several ranks) and leave the group. timeout_s bounds
+    the send (PlanChannel.send): a RuntimeError past it, and the group is not left."""
     if channel:
-        channel.send(StepPlan(kind=StepKind.STOP))
+        channel.send(StepPlan(kind=StepKind.STOP), timeout_s)
     shutdown_distributed()
