@@ -22,6 +22,7 @@ import sys
 import tempfile
 import traceback
 
+from api.tokenizer import names_a_file
 from coordinator.config import EngineConfig
 from coordinator.custom_outputs import RequestError
 from model.custom_output import HandlerLoadError
@@ -97,20 +98,13 @@ def absolute_paths(args: argparse.Namespace) -> None:
     for name in ("model", "tokenizer"):  # (~ too: `--model=~/x` reaches us unexpanded)
         if getattr(args, name):
             setattr(args, name, os.path.abspath(os.path.expanduser(getattr(args, name))))
-    if args.chat_template and _is_file(args.chat_template):
+    if args.chat_template and names_a_file(args.chat_template):
         args.chat_template = os.path.abspath(args.chat_template)
     if args.generation_config not in ("auto", "vllm"):
         args.generation_config = os.path.abspath(args.generation_config)
     target, colon, name = (args.custom_module or "").partition(":")
     if target.endswith(".py") or "/" in target:
         args.custom_module = os.path.abspath(target) + colon + name
-
-
-def _is_file(path: str) -> bool:
-    try:
-        return os.path.isfile(path)
-    except (OSError, ValueError):  # an inline template: too long, or a NUL in it
-        return False
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

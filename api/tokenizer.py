@@ -129,14 +129,18 @@ def check_chat_template(text: str) -> None:
         raise ValueError(f"--chat-template does not compile: {e}") from None
 
 
+def names_a_file(override: str) -> bool:
+    """--chat-template names a file (rather than being the template's own text)."""
+    try:
+        return Path(override).is_file()
+    except (OSError, ValueError):  # an inline template: too long for a file name, or a NUL
+        return False
+
+
 def chat_template_text(override: str) -> str:
     """--chat-template: a file's text, or an inline Jinja template. Anything else (a
     mistyped path) is a ValueError, not a template that renders the path as the prompt."""
-    try:
-        is_file = Path(override).is_file()
-    except OSError:  # a long inline template is no file name ("File name too long")
-        is_file = False
-    if is_file:
+    if names_a_file(override):
         return Path(override).read_text(encoding="utf-8")
     if "{{" in override or "{%" in override:
         return override
