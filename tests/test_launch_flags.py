@@ -139,7 +139,7 @@ def test_a_rank_ended_by_a_signal_gives_the_shells_status():
     assert _wait([stubborn, failing], grace_s=1) == 3
 
 
-def test_the_early_custom_module_check_imports_nothing(tmp_path):
+def test_the_early_custom_module_check_imports_nothing(tmp_path, monkeypatch):
     """Rank 0 checks --custom-module before the model loads, without running it: the module
     is imported once, later, with the process group up (the early check imported it: a file
     module ran twice, and one reading the process group at import was refused)."""
@@ -156,12 +156,8 @@ def test_the_early_custom_module_check_imports_nothing(tmp_path):
     package = tmp_path / "loudpkg"  # a package's __init__ does not run either
     package.mkdir()
     (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
-    import sys as _sys
-    _sys.path.insert(0, str(tmp_path))
-    try:
-        check_handler_spec("loudpkg.mod:Head")
-    finally:
-        _sys.path.remove(str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    check_handler_spec("loudpkg.mod:Head")
 
 
 def test_relative_paths_are_read_from_where_the_launch_ran(tmp_path):
