@@ -180,14 +180,19 @@ def test_gemv_model_shapes_cuda(n: int, k: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_linear_dispatch_and_graph_cuda() -> None:
-    """One row of a 16-bit model takes the GEMV (it differs from cuBLAS in summation order
-    only); two rows, fp32 and wide weights of shapes not measured take cuBLAS exactly; a
-    captured GEMV replays with
-    new inputs. Run without TAPSERVE_GEMV_MAX_ROWS: it pins the default (one row)."""
+def test_linear_dispatch_and_graph_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row of a 16-bit model takes the GEMV; two rows, fp32 and wide weights of shapes
+    not measured take cuBLAS exactly; a captured GEMV replays with new inputs. Run without
+    TAPSERVE_GEMV_MAX_ROWS: it pins the default (one row). Which path ran is counted, not
+    inferred from the bits: the GEMV and cuBLAS sum in different orders, yet their bf16
+    results are often equal to the last bit."""
+    import model.kernels.gemv as gemv_module
     from model.kernels.gemv import WIDE_ROWS
     from model.layers import GEMV_MAX_ROWS, linear
     assert GEMV_MAX_ROWS == 1
+    calls = []
+    kernel = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
     two = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(linear(two, w), F.linear(two, w))
@@ -196,7 +201,10 @@ def test_linear_dispatch_and_graph_cuda() -> None:
     # wide and not in the measured table
     wide = torch.randn(WIDE_ROWS + 16, 4096, device="cuda", dtype=torch.bfloat16) / 64
     assert torch.equal(linear(two[:1], wide), F.linear(two[:1], wide))
-    assert not torch.equal(linear(two[:1], w), F.linear(two[:1], w))  # the kernel ran
+    assert not calls
+    torch.testing.assert_close(linear(two[:1], w).float(), F.linear(two[:1], w).float(),
+                               rtol=1.6e-2, atol=3e-2)
+    assert len(calls) == 1  # the kernel ran
     x = torch.zeros(1, 4096, device="cuda", dtype=torch.bfloat16)
     linear(x, w)
     torch.cuda.synchronize()
