@@ -68,11 +68,11 @@ def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
 
 # ---- shared ------------------------------------------------------------------------------
 def _params(state: AppState, body: _SamplingFields, max_tokens: int | None, prompt_len: int,
-            logprobs: bool, top_logprobs: int) -> Any:
+            logprobs: bool, top_logprobs: int, max_tokens_param: str = "max_tokens") -> Any:
     state.check_n(body.n, "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    max_new = state.max_new_tokens(max_tokens, prompt_len, "max_tokens")
+    max_new = state.max_new_tokens(max_tokens, prompt_len, max_tokens_param)
     return state.sampling_params(**body.sampling_kwargs(max_new), logprobs=logprobs,
                                  top_logprobs=top_logprobs)
 
@@ -219,7 +219,7 @@ def build_router() -> APIRouter:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         ids = _chat_prompt(state, body)
         params = _params(state, body, body.requested_max_tokens, len(ids), body.logprobs,
-                         body.top_logprobs or 0)
+                         body.top_logprobs or 0, body.max_tokens_param)
         generation = await state.start(request, "chatcmpl", [(ids, params)],
                                        [body.custom_output_params])
         return await _respond(request, state, generation, body, chat=True)

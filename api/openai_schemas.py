@@ -196,3 +196,8 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field requested_max_tokens comes from, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

@@ -341,6 +341,11 @@ def test_schema_errors_name_the_field(client, model, http):
     assert "too long" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model, prompt="x", n=1000)
+    for field in ("max_tokens", "max_completion_tokens"):  # the field the client sent
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                           **{field: 10**6})
+        assert e.value.body["param"] == field and field in e.value.body["message"]
 
 
 # ---- disconnects and load ------------------------------------------------------------------
