@@ -218,20 +218,33 @@ def _score_params(body: CustomOutputRequest) -> list[dict | None]:
     return [cop] * len(body.prompts)
 
 
-async def _score_one(state: AppState, request: Request, ids: list[int], cop: dict | None,
-                     encoding: str) -> dict:
+def _submit_score(state: AppState, request: Request, ids: list[int],
+                  cop: dict | None) -> Generation | dict:
+    """One prompt's scoring request sent, or its error entry (submit refuses params the
+    wire cannot carry: only this prompt's entry fails)."""
     params = SamplingParams(max_new_tokens=0)  # scoring samples nothing: no model defaults
-    try:  # (submit refuses params the wire cannot carry: only this prompt's entry fails)
-        generation = state.submit(request, "score", [(ids, params)], [cop])
+    try:
+        return state.submit(request, "score", [(ids, params)], [cop])
+    except ApiError as e:
+        return e.native_body()
+
+
+async def _score_one(state: AppState, request: Request, generation: Generation,
+                     encoding: str) -> dict:
+    try:
         await state.accepted(request, generation, watch=False)
         await state.collect(request, generation, watch=False)
     except ApiError as e:
         return e.native_body()
     prompt = next(iter(generation.prompts.values()))
-    out = {"input_len": len(ids), "reuse_len": prompt.num_cached_tokens}
+    out = {"input_len": len(prompt.prompt_ids), "reuse_len": prompt.num_cached_tokens}
     if prompt.custom_output is not None:
         out["custom_output"] = encode_value(prompt.custom_output, encoding)
     return out
+
+
+async def _entry(entry: dict) -> dict:
+    return entry
 
 
 def build_router() -> APIRouter:
@@ -260,15 +273,25 @@ def build_router() -> APIRouter:
             raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompts")
         cops = _score_params(body)
         state.admit(len(body.prompts), "prompts")
-        jobs = []
+        # every prompt is submitted before the first await: admission counted the whole
+        # batch, and a concurrent request must not take its room in between
+        submitted: list[Generation | dict] = []
         for i, (prompt, cop) in enumerate(zip(body.prompts, cops)):
             try:
                 ids = state.prompt_ids(prompt, f"prompts.{i}")
             except ApiError as e:
-                jobs.append(_error_result(e))
+                submitted.append(e.native_body())
                 continue
-            jobs.append(_score_one(state, request, ids, cop, body.custom_output_encoding))
-        outputs = await race_disconnect(request, asyncio.gather(*jobs))
+            submitted.append(_submit_score(state, request, ids, cop))
+        jobs = [_entry(s) if isinstance(s, dict) else
+                _score_one(state, request, s, body.custom_output_encoding) for s in submitted]
+        try:
+            outputs = await race_disconnect(request, asyncio.gather(*jobs))
+        except BaseException:  # the client left: a job cancelled before it ran aborts nothing
+            for generation in submitted:
+                if not isinstance(generation, dict):
+                    generation.group.abort()
+            raise
         return {"outputs": outputs}
 
     @router.post("/tokenize")
@@ -296,5 +319,3 @@ def build_router() -> APIRouter:
     return router
 
 
-async def _error_result(error: ApiError) -> dict:
-    return error.native_body()

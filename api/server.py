@@ -86,9 +86,10 @@ class Gate:
         self.metrics.requests.labels(endpoint=path, status=str(status)).inc()
 
     def _authorized(self, scope: dict) -> bool:
-        auth = _header(scope, b"authorization") or ""
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+        # the header's own bytes: a key beyond ASCII arrives as the client's UTF-8
+        auth = next((v for k, v in scope.get("headers", []) if k.lower() == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body larger than {self.config.max_body_bytes} bytes")

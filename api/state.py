@@ -151,13 +151,12 @@ class AppState:
                 log.info("request %s %s prompt_tokens=%d params=%s custom_output_params=%s",
                          add.request_id, request.url.path, len(add.prompt_token_ids),
                          add.sampling_params, add.custom_output_params)
-        self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in prompts))
         return Generation(self.tokenizer, group, prompts, self.metrics, self.config.eos_token_ids)
 
-    @staticmethod
-    async def accepted(request: Request, generation: Generation, watch: bool = True) -> None:
+    async def accepted(self, request: Request, generation: Generation, watch: bool = True) -> None:
         """Wait for every accept answer; a rejection becomes an ApiError (605/606).
-        `watch`: give up (ClientGone) when the client disconnects."""
+        `watch`: give up (ClientGone) when the client disconnects. Only accepted prompts
+        count in the prompt-token metric."""
         waiting = generation.group.accepted()
         try:
             await (race_disconnect(request, waiting) if watch else waiting)
@@ -167,6 +166,7 @@ class AppState:
         except BaseException:
             generation.group.abort()
             raise
+        self.metrics.prompt_tokens.inc(sum(len(p.prompt_ids) for p in generation.prompts.values()))
 
     async def start(self, request: Request, kind: str, prompts: list[tuple[list[int], SamplingParams]],
                     custom_output_params: list[dict | None]) -> Generation:

@@ -293,8 +293,8 @@ class TextTokenizer:
             text = self._template.render(**{"tools": None, "documents": None, **template_kwargs},
                                          messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self.special_tokens)
-        except (TemplateError, TypeError) as e:
-            raise ChatTemplateError(f"chat template failed: {e}") from None
+        except Exception as e:  # the client's variables can make jinja raise anything
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
         return _cut_at_continue_tag(text, messages[-1]["content"]) if continue_final_message else text
 
 

@@ -108,3 +108,38 @@ def test_503_when_queue_full(server, model, client):
     assert wait_for(lambda: metric(server, "tapserve_api_requests_in_flight") == 0, 5)
     assert wait_for(lambda: metric(server, "tapserve_kv_blocks_used") == 0, 5)
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=1).choices
+
+
+async def _score_batches(server, batches: int, prompts: int) -> list[httpx.Response]:
+    body = {"prompts": [f"prompt {i} of a batch" for i in range(prompts)]}
+    limits = httpx.Limits(max_connections=batches + 5)
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120,
+                                 limits=limits) as c:
+        return await asyncio.gather(*[c.post("/custom_output", json=body) for _ in range(batches)])
+
+
+def test_a_custom_output_batch_is_admitted_whole_or_not_at_all(server):
+    """40 batches of 16 prompts against room for 256: each is refused at once (503) or
+    scored whole. Its prompts were submitted one by one after awaits, so a batch admitted
+    at its start could lose its room to a concurrent one and answer 200 with 503 entries."""
+    answers = asyncio.run(_score_batches(server, 40, 16))
+    scored = [r for r in answers if r.status_code == 200]
+    assert {r.status_code for r in answers} <= {200, 503} and scored
+    for r in scored:
+        outputs = r.json()["outputs"]
+        assert len(outputs) == 16 and all("custom_output" in o for o in outputs), \
+            [o for o in outputs if "custom_output" not in o][:1]
+    assert wait_for(lambda: metric(server, "tapserve_api_requests_in_flight") == 0, 5)
+
+
+def test_prompt_tokens_count_accepted_prompts_only(server, http):
+    """A prompt the engine refuses (its selector's position is out of range: 605) is never
+    prefilled and does not count in tapserve_prompt_tokens_total."""
+    before = metric(server, "tapserve_prompt_tokens_total")
+    r = http.post("/generate", json={"input_ids": [5] * 100, "custom_output_params": {"position": 500},
+                                     "generate_config": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and r.json()["error_code"] == 605, r.text
+    assert metric(server, "tapserve_prompt_tokens_total") == before
+    r = http.post("/generate", json={"input_ids": [5] * 10, "generate_config": {"max_new_tokens": 1}})
+    assert r.status_code == 200
+    assert metric(server, "tapserve_prompt_tokens_total") == before + 10

@@ -321,6 +321,61 @@ def test_gate_auth_and_body_limit():
     assert health.status_code == 200
 
 
+def test_gate_takes_a_key_beyond_ascii_as_the_client_sends_it():
+    """curl sends a header's bytes as typed (UTF-8); the key was compared with the header
+    decoded as latin-1 and encoded again as UTF-8, so a key with "é" never matched."""
+    import asyncio
+
+    import httpx
+    from fastapi.responses import JSONResponse
+
+    from api.metrics import ApiMetrics
+    from api.server import Gate
+
+    async def ok(scope, receive, send):
+        await JSONResponse({})(scope, receive, send)
+
+    cfg = ApiConfig(ipc_dir="/x", tokenizer="/t", api_key="sekret-ké y")
+    app = Gate(ok, cfg, ApiMetrics(lambda: wire.EngineStats()))
+
+    async def main(key: bytes):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/generate", headers=[(b"Authorization", b"Bearer " + key)])
+            return r.status_code
+    assert asyncio.run(main("sekret-ké y".encode())) == 200
+    assert asyncio.run(main("sekret-ké y".encode("latin-1"))) == 401
+    assert asyncio.run(main(b"sekret-k y")) == 401
+
+
+def test_an_unexpected_exception_answers_in_the_envelope():
+    """A bug of ours in a handler is a 500 in the JSON envelope of its path, not Starlette's
+    plain-text "Internal Server Error"."""
+    import httpx
+    from fastapi import FastAPI
+
+    from api.errors import install_handlers
+
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.post("/v1/completions")
+    @app.post("/generate")
+    async def broken() -> None:
+        raise OverflowError("Range too big")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions"), await c.post("/generate")
+    import asyncio
+    openai_answer, native_answer = asyncio.run(main())
+    assert openai_answer.status_code == native_answer.status_code == 500
+    assert openai_answer.json()["error"]["code"] == "500_INTERNAL_ERROR"
+    assert "OverflowError" in openai_answer.json()["error"]["message"]
+    assert native_answer.json()["error_code"] == 500
+
+
 def test_validation_error_names_the_client_field_not_the_union_member():
     from fastapi.exceptions import RequestValidationError
     from api.errors import validation_error
@@ -329,3 +384,6 @@ def test_validation_error_names_the_client_field_not_the_union_member():
         err = validation_error(RequestValidationError(
             [{"type": "string_type", "loc": loc, "msg": "Input should be a valid string"}]))
         assert err.param == name and f"'{name}'" in err.message
+    err = validation_error(RequestValidationError(  # an unknown field named by a lone surrogate
+        [{"type": "string_unicode", "loc": (), "msg": "Input should be a valid string"}]))
+    assert "not valid Unicode" in err.message

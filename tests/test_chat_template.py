@@ -94,3 +94,18 @@ def test_chat_template_sees_the_special_tokens_transformers_passes(tmp_path):
     theirs = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=True)
     assert ours == theirs == "Hi|<|im_end|>|<|im_end|>|<|im_end|>|False|False"
+
+
+@pytest.mark.parametrize("template,kwargs", [
+    ("{% for i in range(shots) %}x{% endfor %}", {"shots": 10**6}),  # OverflowError
+    ("{{ 1 / zero }}", {"zero": 0}),                                   # ZeroDivisionError
+    ("{{ items | dictsort }}", {"items": [1, 2]}),                     # AttributeError
+    ("{{ 'a b' | wordwrap(width) }}", {"width": 0}),                   # ValueError
+])
+def test_a_render_the_client_variables_break_is_a_chat_template_error(folder, template, kwargs):
+    """Whatever jinja raises for the client's chat_template_kwargs is the client's 605 (the
+    API answers ChatTemplateError so); only TemplateError and TypeError were, and the rest
+    became a plain-text 500."""
+    tokenizer = TextTokenizer.from_dir(folder, template)
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], True, kwargs)
