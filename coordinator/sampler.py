@@ -223,7 +223,9 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(dim=-1)
             # keep the smallest prefix whose mass reaches top_p (the crossing token stays)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop = before > to_device(top_p, dev)[:, None]
+            p = to_device(top_p, dev)[:, None]
+            # a row with top_p 1 keeps all: its float32 mass can pass 1.0 before the tail
+            drop = (before > p) & (p < 1.0)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)

@@ -179,3 +179,17 @@ def test_stop_token_ids_and_min_tokens(llm, prompts) -> None:
 def test_logit_bias(llm, prompts) -> None:
     out = token_ids(run(llm, prompts[:2], greedy(8, logit_bias={77: 100.0})))
     assert out == [[77] * 8, [77] * 8]
+
+
+def test_a_row_without_top_p_keeps_its_tail_beside_a_filtered_row() -> None:
+    """A top_p=1 row takes the sort path when a neighbour asks top-k; its float32 mass
+    before a tail token can exceed 1.0, and `before > top_p` dropped ~15k tokens of a
+    151,936 vocabulary, so its draw depended on its batch."""
+    from coordinator.sampler import Sampler
+    logits = torch.randn(2, 151936, generator=torch.Generator().manual_seed(0)) * 3
+    alone = Sampler._filtered_probs(logits[:1], [SamplingParams(temperature=1.0)])
+    beside = Sampler._filtered_probs(logits, [SamplingParams(temperature=1.0),
+                                              SamplingParams(temperature=1.0, top_k=20000)])
+    assert int((alone[0] > 0).sum()) == 151936
+    assert int((beside[0] > 0).sum()) == 151936
+    assert int((beside[1] > 0).sum()) == 20000
