@@ -10,7 +10,7 @@ import torch
 from api.wire import RequestOutput
 from coordinator.config import EngineConfig, build_engine, build_runner
 from coordinator.custom_outputs import RequestError, decode_value
-from coordinator.sampling_params import SamplingParams
+from coordinator.sampling_params import SamplingParams, model_sampling_defaults
 
 
 @dataclass
@@ -63,13 +63,20 @@ class LLM:
         self.runner = build_runner(self.config)
         self.engine = build_engine(self.config, self.runner)
         self.tokenizer = _load_tokenizer(self.config)
+        self.model_defaults = model_sampling_defaults(self.config.model_dir())
         self._ids = count()
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
-                 | None = None, custom_output_params: list[dict | None] | None = None,
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 custom_output_params: list[dict | None] | None = None,
                  raise_errors: bool = True) -> list[GenerationResult]:
-        """Run prompts (text or token ids) to completion, sharing batches; results in order."""
-        params = params or SamplingParams()
+        """Run prompts (text or token ids; one string is one prompt) to completion, sharing
+        batches; results in order. params None: the model's generation_config.json
+        defaults, as the server and vLLM take them. raise_errors: a request that fails
+        (605 at admission, or 606 from the head later) raises RequestError once every
+        request of the call has ended; False leaves the code on its result."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or SamplingParams(**self.model_defaults)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         cop = custom_output_params or [None] * len(prompts)
         if not len(params_list) == len(cop) == len(prompts):
@@ -95,11 +102,30 @@ class LLM:
             except Exception:
                 pass  # (the step's own error is the one to report)
             raise
-        if self.tokenizer is not None:
-            for r in results.values():
-                for o in r.outputs:
-                    o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        failed = [r for r in results.values() if r.error_code is not None]
+        if raise_errors and failed:
+            raise RequestError(failed[0].error_code,
+                               f"{failed[0].request_id}: {failed[0].error_message}")
+        for r, p in zip(results.values(), params_list):
+            self._finish(r, p)
         return list(results.values())
+
+    def _finish(self, result: GenerationResult, p: SamplingParams) -> None:
+        """Each output's text, as the API process writes it: a last token that ends its
+        sequence (a stop token id, or an EOS the request heeds) leaves its text out unless
+        include_stop_str_in_output; special tokens as skip_special_tokens says. No
+        cumulative log-probability where none was computed (as vLLM: None)."""
+        eos = () if p.ignore_eos else self.engine.options.eos_token_ids
+        for o in result.outputs:
+            if not p.logprobs and p.num_beams == 1:
+                o.cumulative_logprob = None
+            if self.tokenizer is None:
+                continue
+            ids = o.token_ids
+            if ids and (ids[-1] in p.stop_token_ids or ids[-1] in eos) \
+                    and not p.include_stop_str_in_output:
+                ids = ids[:-1]
+            o.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
     def _run(self, results: dict[str, GenerationResult]) -> None:
         while self.engine.has_work():
@@ -111,7 +137,12 @@ class LLM:
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # numpy, torch
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"a prompt is a string or a list of token ids (integers), "
+                                 f"got {str(prompt)[:80]}")
+            return list(ids)
         if self.tokenizer is None:
             where = (f"--tokenizer {self.config.tokenizer} has none" if self.config.tokenizer
                      else "the model folder has none")

@@ -69,6 +69,8 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, "must be >= 0"),
             ("top_logprobs", 0 <= self.top_logprobs <= 20, "must be in [0, 20]"),
             ("length_penalty", math.isfinite(self.length_penalty), "must be finite"),
+            ("seed", self.seed is None or -2**63 <= self.seed < 2**64,
+             "must be in [-2^63, 2^64) (the wire's integers)"),
             ("logit_bias", all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
                                for v in self.logit_bias.values()),
              f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
