@@ -79,6 +79,8 @@ class LLM:
         params = params or SamplingParams(**self.model_defaults)
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         cop = custom_output_params or [None] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params_list):
+            raise TypeError("params must be a SamplingParams or a list of them")
         if not len(params_list) == len(cop) == len(prompts):
             raise ValueError(f"{len(prompts)} prompts, but {len(params_list)} sampling params "
                              f"and {len(cop)} custom_output_params: give one per prompt")

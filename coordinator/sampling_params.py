@@ -48,6 +48,11 @@ class SamplingParams:
             if (value is not None or name != "seed") \
                     and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

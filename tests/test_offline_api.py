@@ -81,6 +81,13 @@ def test_seed_beyond_the_wire_is_refused() -> None:
         SamplingParams(seed=2**70)
 
 
+def test_misused_params_are_named(llm) -> None:
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        SamplingParams(temperature="0.5")
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([PROMPT], {"temperature": 0})
+
+
 def test_no_params_take_the_model_generation_config(tmp_path) -> None:
     """As the server (--generation-config auto) and vLLM: a folder whose
     generation_config.json says top_k 1 samples greedily when no params are given."""
