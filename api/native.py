@@ -218,6 +218,17 @@ def _score_params(body: CustomOutputRequest) -> list[dict | None]:
     return [cop] * len(body.prompts)
 
 
+def _score_ids(state: AppState, prompts: list[str | list[int]]) -> list[list[int] | dict]:
+    """Each prompt's token ids, or its error entry."""
+    out: list[list[int] | dict] = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(state.prompt_ids(prompt, f"prompts.{i}"))
+        except ApiError as e:
+            out.append(e.native_body())
+    return out
+
+
 def _submit_score(state: AppState, request: Request, ids: list[int],
                   cop: dict | None) -> Generation | dict:
     """One prompt's scoring request sent, or its error entry (submit refuses params the
@@ -254,7 +265,7 @@ def build_router() -> APIRouter:
     async def generate(body: GenerateRequest, request: Request) -> Any:
         state = _state(request)
         start = time.monotonic()
-        ids = _generate_ids(state, body)
+        ids = await state.prepare(request, lambda: _generate_ids(state, body))
         cfg = body.generate_config
         cfg.check_sequences(state)
         max_new = state.max_new_tokens(cfg.max_new_tokens, len(ids), "max_new_tokens")
@@ -272,17 +283,14 @@ def build_router() -> APIRouter:
         if len(body.prompts) > state.config.max_prompts:
             raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompts")
         cops = _score_params(body)
-        state.admit(len(body.prompts), "prompts")
-        # every prompt is submitted before the first await: admission counted the whole
-        # batch, and a concurrent request must not take its room in between
-        submitted: list[Generation | dict] = []
-        for i, (prompt, cop) in enumerate(zip(body.prompts, cops)):
-            try:
-                ids = state.prompt_ids(prompt, f"prompts.{i}")
-            except ApiError as e:
-                submitted.append(e.native_body())
-                continue
-            submitted.append(_submit_score(state, request, ids, cop))
+        state.admit(len(body.prompts), "prompts")  # before the tokenizing: a quick 503
+        prompt_ids = await state.prepare(request, lambda: _score_ids(state, body.prompts))
+        # every prompt is admitted and submitted with no await in between: a concurrent
+        # request must not take the batch's room halfway (200 with 503 entries)
+        state.admit(sum(isinstance(ids, list) for ids in prompt_ids), "prompts")
+        submitted: list[Generation | dict] = [
+            _submit_score(state, request, ids, cop) if isinstance(ids, list) else ids
+            for ids, cop in zip(prompt_ids, cops)]
         jobs = [_entry(s) if isinstance(s, dict) else
                 _score_one(state, request, s, body.custom_output_encoding) for s in submitted]
         try:
@@ -295,17 +303,21 @@ def build_router() -> APIRouter:
         return {"outputs": outputs}
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         state = _state(request)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt, messages", "prompt")
-        if body.messages is not None:
-            text = body.render(state.tokenizer, body.messages)
-            ids = state.encode(text, "messages", add_special_tokens=False)
-        else:
-            ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.config.max_model_len,
-                "token_strs": [state.tokenizer.token_str(t) for t in ids]}
+
+        def encode() -> JSONResponse:  # rendered here too: a long answer's JSON takes long
+            if body.messages is not None:
+                text = body.render(state.tokenizer, body.messages)
+                ids = state.encode(text, "messages", add_special_tokens=False)
+            else:
+                ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+            return JSONResponse({"tokens": ids, "count": len(ids),
+                                 "max_model_len": state.config.max_model_len,
+                                 "token_strs": [state.tokenizer.token_str(t) for t in ids]})
+        return await state.prepare(request, encode)
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:

@@ -202,11 +202,14 @@ def build_router() -> APIRouter:
         prompts = body.prompts()
         if len(prompts) > state.config.max_prompts:
             raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompt")
-        items = []
-        for p in prompts:
-            ids = state.prompt_ids(p, "prompt", body.add_special_tokens)
-            items.append((ids, _params(state, body, _completion_max_tokens(state, body, len(ids)),
-                                       len(ids), body.logprobs is not None, body.logprobs or 0)))
+        def prepare() -> list:
+            items = []
+            for p in prompts:
+                ids = state.prompt_ids(p, "prompt", body.add_special_tokens)
+                items.append((ids, _params(state, body, _completion_max_tokens(state, body, len(ids)),
+                                           len(ids), body.logprobs is not None, body.logprobs or 0)))
+            return items
+        items = await state.prepare(request, prepare)
         generation = await state.start(request, "cmpl", items,
                                        [body.custom_output_params] * len(items))
         return await _respond(request, state, generation, body, chat=False)
@@ -217,7 +220,7 @@ def build_router() -> APIRouter:
         _check_model(state, body.model)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
-        ids = _chat_prompt(state, body)
+        ids = await state.prepare(request, lambda: _chat_prompt(state, body))
         params = _params(state, body, body.requested_max_tokens, len(ids), body.logprobs,
                          body.top_logprobs or 0, body.max_tokens_param)
         generation = await state.start(request, "chatcmpl", [(ids, params)],

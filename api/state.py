@@ -26,6 +26,10 @@ from api.tokenizer import TextTokenizer, UnencodableTextError
 from coordinator.sampling_params import SamplingParams
 
 log = logging.getLogger("tapserve.api")
+# request bodies above this many bytes are tokenized (and their chat templates rendered) in
+# a worker thread: the tokenizer releases the GIL, and a multi-megabyte prompt would
+# otherwise stall every stream and /health for seconds; below it the thread hop costs more
+OFF_LOOP_BODY_BYTES = 64 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -86,6 +90,14 @@ class AppState:
         if self.client.num_in_flight + num_requests > self.config.max_in_flight:
             raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"
                                 " retry later")
+
+    @staticmethod
+    async def prepare(request: Request, work: Callable[[], Any]) -> Any:
+        """work() (tokenizing prompts, rendering a chat template, checking the fields): on
+        the event loop for a small request, in a worker thread for a large one."""
+        if len(await request.body()) <= OFF_LOOP_BODY_BYTES:
+            return work()
+        return await asyncio.to_thread(work)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """text's token ids; a 605 naming param for text that is not valid Unicode."""

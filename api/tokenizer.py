@@ -188,6 +188,7 @@ class TextTokenizer:
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._added_ids = set(tokenizer.get_added_tokens_decoder())
         self._byte_fallback, self._word_mark = _sentencepiece_layout(tokenizer)
+        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     @classmethod
     def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> "TextTokenizer":
@@ -214,9 +215,11 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """text's token ids; UnencodableTextError for text that is not valid Unicode."""
+        """text's token ids; UnencodableTextError for text that is not valid Unicode.
+        Through the batch call, which (unlike `encode`) releases the GIL, so a long text
+        tokenized in a worker thread leaves the event loop running; `_fast` skips offsets."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # what `tokenizers` raises for a lone surrogate
             _check_unicode(text)
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -143,3 +144,34 @@ def test_prompt_tokens_count_accepted_prompts_only(server, http):
     r = http.post("/generate", json={"input_ids": [5] * 10, "generate_config": {"max_new_tokens": 1}})
     assert r.status_code == 200
     assert metric(server, "tapserve_prompt_tokens_total") == before + 10
+
+
+async def _health_during_a_huge_tokenize(server) -> tuple[float, list[float]]:
+    """How long a ~6 MB /tokenize took, and how long each /health probe sent while it ran
+    waited for its answer."""
+    text = "The quick brown fox jumps over the lazy dog. " * 135000
+    waits: list[float] = []
+    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as c:
+        async def tokenize() -> float:
+            start = time.monotonic()
+            r = await c.post("/tokenize", json={"prompt": text})
+            assert r.status_code == 200 and r.json()["count"] > 500_000
+            return time.monotonic() - start
+
+        async def health() -> None:
+            await asyncio.sleep(0.5)  # the tokenize is under way (it takes seconds)
+            for _ in range(3):
+                start = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                waits.append(time.monotonic() - start)
+        took, _ = await asyncio.gather(tokenize(), health())
+    return took, waits
+
+
+def test_a_huge_prompt_does_not_stall_other_clients(server):
+    """A large body is tokenized in a worker thread, through the tokenizer's call that
+    releases the GIL: /health (and every stream) keeps answering meanwhile. Before, each
+    probe waited for the rest of the tokenize (seconds)."""
+    took, waits = asyncio.run(_health_during_a_huge_tokenize(server))
+    assert took > 1.0, "the tokenize must take long enough to tell"
+    assert max(waits) < took / 4, (took, waits)
