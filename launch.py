@@ -139,11 +139,14 @@ def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
 def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int:
     """Run this rank; tokenizer: rank 0's, from check_before_loading."""
     from coordinator.config import start_rank
+    from model.layers import ParallelLayoutError
     from ranks.group import shutdown_distributed
     from ranks.worker import run_worker
 
     try:
         ctx, runner, channel = start_rank(config, args.tp)
+    except ParallelLayoutError as e:  # every rank finds it: one line, rank 0's
+        raise SystemExit(str(e) if os.environ.get("RANK", "0") == "0" else 1) from None
     except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
     try:

@@ -15,7 +15,7 @@ from coordinator.engine import Engine, EngineOptions
 from coordinator.keepalive import PlanKeepalive
 from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
-from model.layers import TPGroup
+from model.layers import ParallelLayoutError, TPGroup
 from model.loader import resolve_dtype
 from ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
 from ranks.plan import StepKind, StepPlan
@@ -151,8 +151,10 @@ def start_rank(config: EngineConfig, expected_tp: int | None = None
     SIGINT/SIGTERM: rank 0 alone decides when to stop."""
     ctx = init_distributed(config.torch_device().type)
     if expected_tp is not None and expected_tp != ctx.world_size:
-        raise ValueError(f"--tp {expected_tp} does not match the world size {ctx.world_size} "
-                         f"(start N ranks with torchrun --nproc-per-node=N)")
+        raise ParallelLayoutError(
+            f"--tp {expected_tp} does not match the number of ranks started ({ctx.world_size}): "
+            f"leave --tp out (it defaults to that number) or start {expected_tp} ranks "
+            f"(torchrun --nproc-per-node={expected_tp}, or launch.py --nproc-per-node {expected_tp})")
     if not ctx.is_driver:
         ignore_termination_signals()
     runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)

@@ -63,10 +63,16 @@ def _set_weight_loader(param: nn.Parameter, loader) -> None:
     param.weight_loader = loader
 
 
+class ParallelLayoutError(ValueError):
+    """A model or flag that the ranks cannot split: every rank finds it alike, so rank 0
+    alone reports it (launch.py)."""
+
+
 def split_evenly(n: int, d: int, what: str) -> int:
-    """n / d for a dimension split over d ranks; a ValueError naming `what` if it does not divide."""
+    """n / d for a dimension split over d ranks; a ParallelLayoutError naming `what` if it
+    does not divide."""
     if n % d:
-        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+        raise ParallelLayoutError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
     return n // d
 
 

@@ -187,3 +187,18 @@ def test_relative_paths_are_read_from_where_the_launch_ran(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, out[-2000:]
+
+
+def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
+    """A model or --tp the ranks cannot split is found by every rank alike: rank 0 alone
+    prints it (each rank printed the same line), and the hint fits both launchers."""
+    from tests.checkpoints import make_tiny_checkpoint
+    odd = make_tiny_checkpoint(tmp_path / "odd", "qwen3", tokenizer=True,
+                               num_attention_heads=3, num_key_value_heads=3, head_dim=16)
+    cases = [(["--model", str(odd)], "num_attention_heads (3) is not divisible"),
+             (["--tp", "1"], "--tp 1 does not match the number of ranks started (2)")]
+    for args, message in cases:
+        proc = _launch("--nproc-per-node", "2", "--device", "cpu", "--port", "0", *args)
+        assert proc.returncode != 0 and proc.stderr.count(message) == 1, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "launch.py --nproc-per-node 1" in proc.stderr
