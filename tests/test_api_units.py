@@ -233,6 +233,23 @@ def test_detokenizer_drops_held_bytes_of_a_left_out_token(tok):
     assert flushed.take_delta(final=True).endswith("\ufffd")  # what finish() alone does
 
 
+def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(tok):
+    """Only the held bytes that begin a character the left-out token might have completed
+    are dropped; held characters that are already final (U+FFFD for a byte that never
+    begins a character, an ASCII letter sharing a token with a lead byte) go out. All the
+    held text was dropped (an outside fuzzer's find: "f\\xc3" then 0xF7 lost the "f")."""
+    one = {tok.token_bytes(i): i for i in range(tok.vocab_size)
+           if len(tok.token_bytes(i)) == 1 and i not in tok.special_ids}
+    ok = tok.encode("ok")
+    for tail, want in [(b"\xc3\xf7", "ok\ufffd\ufffd"), (b"\xf7\xe6", "ok\ufffd"),
+                       (b"f\xc3\xf7", "okf\ufffd\ufffd"), (b"\xe6\x97", "ok")]:
+        d = IncrementalDetokenizer(tok, [], True, StopChecker())
+        d.add_tokens(ok + [one[bytes([b])] for b in tail])
+        d.drop_held()
+        d.finish()
+        assert d.take_delta(final=True) == want, tail
+
+
 def test_detokenizer_stop_strings(tok):
     text = "one two three four five six"
     ids = tok.encode(text)
