@@ -226,6 +226,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
             sampling_defaults=args.sampling_defaults,
             eos_token_ids=tuple(engine.options.eos_token_ids),
+            model_vocab_size=engine.runner.model_cfg.vocab_size,
             log_requests=args.log_requests,
             parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
         # a session of its own: torchrun stops a worker with killpg, and the API process must

@@ -29,6 +29,9 @@ class ApiConfig:
     api_key: str | None = None
     max_model_len: int = 2048  # the engine's context length (prompt + output tokens)
     eos_token_ids: tuple[int, ...] = ()  # the engine's: a sequence ends on one (not ignore_eos)
+    # the model's vocabulary, which a checkpoint may pad past the tokenizer's (ids the model
+    # can sample; 0: the tokenizer's)
+    model_vocab_size: int = 0
     max_num_seqs: int = 256  # the engine's running-request limit
     max_queued_requests: int = 1024  # engine requests beyond max_num_seqs before 503
     chat_template: str | None = None  # file (or inline template) overriding the tokenizer's
@@ -123,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("served_model_name", "host", "chat_template", "log_level"):
         p.add_argument("--" + name.replace("_", "-"), default=defaults[name])
     for name in ("port", "max_model_len", "max_num_seqs", "max_queued_requests",
-                 "max_body_bytes", "max_n", "max_prompts"):
+                 "max_body_bytes", "max_n", "max_prompts", "model_vocab_size"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     for name in ("max_tokens", "parent_pid"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)

@@ -263,7 +263,11 @@ class TextTokenizer:
     def legacy_token_str(self, token_id: int) -> str:
         """The token as legacy completions logprobs name it: its text, or, for a token whose
         bytes are not whole UTF-8 (part of a character), `bytes:` and its bytes as `\\xNN`
-        escapes, as OpenAI's legacy API writes such tokens."""
+        escapes, as OpenAI's legacy API writes such tokens; `token_id:N` for an id past the
+        tokenizer's entries (a padded model vocabulary), as vLLM's return_tokens_as_token_ids
+        names tokens: its text is empty, and such ids would overwrite each other."""
+        if self.tokenizer.id_to_token(token_id) is None:
+            return f"token_id:{token_id}"
         data = self.text_bytes(token_id)
         try:
             return data.decode("utf-8")  # (a SentencePiece word's leading space included)

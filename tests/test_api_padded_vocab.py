@@ -1,0 +1,38 @@
+"""A checkpoint whose model vocabulary is padded past its tokenizer's (as real Qwen3
+checkpoints are): ids past the tokenizer's entries can be sampled; completions logprobs
+name each `token_id:N` (as vLLM's return_tokens_as_token_ids) instead of one empty string
+they overwrote each other under, and /detokenize takes the ids the model produced."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.api_helpers import LiveServer
+from tests.checkpoints import make_tiny_checkpoint
+
+TOKENIZER_VOCAB, MODEL_VOCAB = 1024, 1100
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("padded") / "m", "qwen3", tokenizer=True,
+                                vocab_size=MODEL_VOCAB)
+    s = LiveServer("--model", str(ckpt), "--served-model-name", "m", "--custom-module", "none")
+    yield s
+    assert s.stop() == 0, s.log_tail()
+
+
+def test_padded_ids_are_named_apart_and_detokenize(server):
+    padded = [1050, 1060, 1070]
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+        "logprobs": 3, "logit_bias": {str(t): 100 for t in padded}})
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert all(t in {f"token_id:{i}" for i in padded} for t in logprobs["tokens"])
+    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+        assert token in top and len(top) >= 3  # (raw logprobs: before the bias)
+    answer = httpx.post(server.url + "/detokenize", json={"tokens": [72, *padded]}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    beyond = httpx.post(server.url + "/detokenize", json={"tokens": [MODEL_VOCAB]}, timeout=30)
+    assert beyond.status_code == 400 and f"[0, {MODEL_VOCAB})" in beyond.json()["message"]
