@@ -111,7 +111,7 @@ class CustomOutputRequest(StrictModel):
 class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
 
 
 class DetokenizeRequest(StrictModel):
@@ -311,9 +311,10 @@ def build_router() -> APIRouter:
         def encode() -> JSONResponse:  # rendered here too: a long answer's JSON takes long
             if body.messages is not None:
                 text = body.render(state.tokenizer, body.messages)
-                ids = state.encode(text, "messages", add_special_tokens=False)
+                ids = state.encode(text, "messages", add_special_tokens=bool(body.add_special_tokens))
             else:
-                ids = state.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+                ids = state.encode(body.prompt, "prompt",
+                                   add_special_tokens=body.add_special_tokens is not False)
             return JSONResponse({"tokens": ids, "count": len(ids),
                                  "max_model_len": state.config.max_model_len,
                                  "token_strs": [state.tokenizer.token_str(t) for t in ids]})

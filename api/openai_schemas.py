@@ -133,9 +133,9 @@ class ChatMessage(StrictModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
-    def template_dict(self) -> dict:
+    def template_dict(self, developer_as_system: bool = False) -> dict:
         """The message as the chat template sees it: text parts joined by newlines, as vLLM
-        joins them."""
+        joins them; OpenAI's "developer" role as "system" if developer_as_system."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -151,7 +151,8 @@ class ChatMessage(StrictModel):
                     raise invalid(f"invalid text content part: {where}: {problem.get('msg')}",
                                   "messages") from None
             content = "\n".join(texts)
-        out = {"role": self.role, "content": content or ""}
+        role = "system" if developer_as_system and self.role == "developer" else self.role
+        out = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -175,9 +176,12 @@ class ChatTemplateFields(StrictModel):
                 and "add_generation_prompt" in self.model_fields_set:
             raise invalid("cannot set both continue_final_message and add_generation_prompt",
                           "add_generation_prompt")
+        # OpenAI's newer name for "system": a template that never names it (Qwen's, Llama's)
+        # would drop such a message silently
+        developer_as_system = "developer" not in (tokenizer.chat_template or "")
         try:
             return tokenizer.apply_chat_template(
-                [m.template_dict() for m in messages],
+                [m.template_dict(developer_as_system) for m in messages],
                 self.add_generation_prompt and not self.continue_final_message,
                 self.chat_template_kwargs, self.continue_final_message)
         except ChatTemplateError as e:

@@ -96,6 +96,15 @@ def test_chat_completion(client, model, http):
     assert "custom_output" in r.choices[0].model_extra["extra_outputs"]
 
 
+def test_developer_role_renders_as_system(http):
+    """OpenAI's "developer" messages reach a template that knows only "system" (the demo's,
+    Qwen's) as system messages; Qwen's own template dropped them silently."""
+    def ids(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+        return http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert ids("developer") == ids("system")
+
+
 def test_chat_logprobs(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)

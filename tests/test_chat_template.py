@@ -109,3 +109,13 @@ def test_a_render_the_client_variables_break_is_a_chat_template_error(folder, te
     tokenizer = TextTokenizer.from_dir(folder, template)
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], True, kwargs)
+
+
+def test_developer_is_system_unless_the_template_names_it(folder):
+    from api.openai_schemas import ChatMessage, ChatTemplateFields
+    messages = [ChatMessage(role="developer", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    knows = "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}[{{ m.role }}]{% endfor %}"
+    assert ChatTemplateFields().render(TextTokenizer.from_dir(folder, knows), messages) == \
+        "D[developer][user]"
+    assert ChatTemplateFields().render(TextTokenizer.from_dir(folder, QWEN_STYLE), messages) \
+        .startswith("<|im_start|>system\nBe brief.")
