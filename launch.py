@@ -145,8 +145,9 @@ def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int
 
     try:
         ctx, runner, channel = start_rank(config, args.tp)
-    except ParallelLayoutError as e:  # every rank finds it: one line, rank 0's
-        raise SystemExit(str(e) if os.environ.get("RANK", "0") == "0" else 1) from None
+    except ParallelLayoutError as e:  # every rank finds it: one line, local rank 0's
+        # (once per node: another node's launcher shows only its own ranks' output)
+        raise SystemExit(str(e) if os.environ.get("LOCAL_RANK", "0") == "0" else 1) from None
     except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
     try:

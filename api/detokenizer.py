@@ -193,8 +193,7 @@ class IncrementalDetokenizer:
         if full.endswith("\ufffd") and not final:
             if end - self._read_offset < _MAX_HELD_TOKENS:
                 return ""
-            # give up waiting, mostly (the first held token goes out in any case)
-            end, full = self._without_open_tail(end, full, self._read_offset + 1)
+            end, full = self._without_open_tail(end, full)  # give up waiting, mostly
         if len(full) <= len(prefix):
             return ""
         new = full[len(prefix):]
@@ -208,17 +207,16 @@ class IncrementalDetokenizer:
     def _decode(self, end: int) -> str:
         return self.decoder.decode(self._ids[self._prefix_offset:end], self.skip_special_tokens)
 
-    def _without_open_tail(self, end: int, full: str, first: int) -> tuple[int, str]:
+    def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
         """When giving up on held tokens: keep back the last one to three of them if their
         bytes end in a character's first bytes, which the next token may complete (flushed,
         their U+FFFD would stand for good and the completed character be lost); the text
         before them goes out. Only for a byte-level BPE decoder (TextTokenizer.byte_level),
-        whose decode of a window may end inside a character and go on from there. first:
-        the earliest token that may be kept back."""
+        whose decode of a window may end inside a character and go on from there."""
         if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
             return end, full  # decodes as a whole: cut, it would read differently)
         token_bytes = self.decoder.token_bytes
-        last = [token_bytes(t) for t in self._ids[max(end - 3, first):end]]
+        last = [token_bytes(t) for t in self._ids[max(end - 3, self._read_offset + 1):end]]
         opened = _open_character_bytes(b"".join(last))
         k, held_bytes = 0, 0
         while held_bytes < opened:  # the fewest last tokens that hold the open bytes
@@ -232,27 +230,32 @@ class IncrementalDetokenizer:
     def finish(self) -> None:
         """The sequence ended: flush characters held for completion."""
         if not self.stopped and self._read_offset < len(self._ids):
-            grown = self._decode_step(final=True)
-            if grown:
-                old_len = len(self.text)
-                self.text += grown
-                self._ends[-1] = len(self.text)  # the held characters were the last token's
-                self._cut_at_stop(old_len)
+            self._append_last(self._decode_step(final=True))
 
     def drop_held(self) -> None:
-        """The sequence ends on a token whose text is left out (a stop token id): the held
-        tokens that end in a character's first bytes are dropped, not flushed by finish() as
-        U+FFFD, since the token left out might have completed that character (as vLLM drops
-        that token's whole text); what they held before it goes out, as finish() writes it.
+        """The sequence ends on a token whose text is left out (a stop token id): a held
+        character left open (its first bytes, one U+FFFD at the text's end) is dropped, not
+        flushed by finish(), since the token left out might have completed it (as vLLM drops
+        that token's whole text); the held text before it goes out, as finish() writes it.
         A SentencePiece byte run decodes as a whole: all of it is dropped."""
         end = len(self._ids)
         if self.stopped or self._read_offset >= end:
             return
         if getattr(self.decoder, "byte_level", False):
-            end, _ = self._without_open_tail(end, self._decode(end), self._read_offset)
-            del self._ids[end:]
-            self.finish()
+            held = b"".join(map(self.decoder.token_bytes, self._ids[max(end - 3, self._read_offset):]))
+            prefix, full = self._decode(self._read_offset), self._decode(end)
+            if _open_character_bytes(held) and full.endswith("\ufffd"):
+                full = full[:-1]
+            self._append_last(full[len(prefix):] if len(full) > len(prefix) else "")
         self._read_offset = len(self._ids)
+
+    def _append_last(self, grown: str) -> None:
+        """The last text of an ended sequence, credited to its last token."""
+        if grown:
+            old_len = len(self.text)
+            self.text += grown
+            self._ends[-1] = len(self.text)
+            self._cut_at_stop(old_len)
 
     def take_delta(self, final: bool = False) -> str:
         """Text not handed out yet; while not final, minus the stop-string hold-back."""

@@ -323,8 +323,7 @@ def build_router() -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         state = _state(request)
-        # the ids the model can sample, past the tokenizer's where the checkpoint pads them
-        vocab = max(state.tokenizer.vocab_size, state.config.model_vocab_size)
+        vocab = state.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")

@@ -99,6 +99,12 @@ class AppState:
             return work()
         return await asyncio.to_thread(work)
 
+    @property
+    def vocab_size(self) -> int:
+        """The ids a client may send and the model may sample: the model's vocabulary where
+        a checkpoint pads it past the tokenizer's (as vLLM takes prompt ids)."""
+        return max(self.tokenizer.vocab_size, self.config.model_vocab_size)
+
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """text's token ids; a 605 naming param for text that is not valid Unicode."""
         try:
@@ -113,7 +119,7 @@ class AppState:
             ids = self.encode(prompt, param, add_special_tokens)
         else:
             ids = list(prompt)
-            vocab = self.tokenizer.vocab_size
+            vocab = self.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)

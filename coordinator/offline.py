@@ -1,12 +1,15 @@
 """Offline use in one process: `LLM(EngineConfig(...)).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
 import torch
 
+from api.detokenizer import IncrementalDetokenizer, StopChecker
+from api.tokenizer import TextTokenizer
 from api.wire import RequestOutput
 from coordinator.config import EngineConfig, build_engine, build_runner
 from coordinator.custom_outputs import RequestError, decode_value
@@ -113,21 +116,29 @@ class LLM:
         return list(results.values())
 
     def _finish(self, result: GenerationResult, p: SamplingParams) -> None:
-        """Each output's text, as the API process writes it: a last token that ends its
-        sequence (a stop token id, or an EOS the request heeds) leaves its text out unless
-        include_stop_str_in_output; special tokens as skip_special_tokens says. No
-        cumulative log-probability where none was computed (as vLLM: None)."""
-        eos = () if p.ignore_eos else self.engine.options.eos_token_ids
+        """Each output's text, written as the API process writes it (its detokenizer, but
+        no stop strings), and no cumulative log-probability where none was computed (as
+        vLLM: None)."""
         for o in result.outputs:
             if not p.logprobs and p.num_beams == 1:
                 o.cumulative_logprob = None
-            if self.tokenizer is None:
-                continue
-            ids = o.token_ids
-            if ids and (ids[-1] in p.stop_token_ids or ids[-1] in eos) \
-                    and not p.include_stop_str_in_output:
-                ids = ids[:-1]
-            o.text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            if self.tokenizer is not None:
+                o.text = self._text(result.prompt_token_ids, o.token_ids, p)
+
+    def _text(self, prompt_ids: list[int], ids: list[int], p: SamplingParams) -> str:
+        """A last token that ends its sequence (a stop token id, or an EOS the request
+        heeds) leaves its text out unless include_stop_str_in_output, and with it a
+        character it might have completed; special tokens as skip_special_tokens says."""
+        eos = () if p.ignore_eos else self.engine.options.eos_token_ids
+        hidden = bool(ids) and (ids[-1] in p.stop_token_ids or ids[-1] in eos) \
+            and not p.include_stop_str_in_output
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens,
+                                       StopChecker())
+        detok.add_tokens(ids[:len(ids) - hidden])
+        if hidden:
+            detok.drop_held()
+        detok.finish()
+        return detok.take_delta(final=True)
 
     def _run(self, results: dict[str, GenerationResult]) -> None:
         while self.engine.has_work():
@@ -141,16 +152,16 @@ class LLM:
         if not isinstance(prompt, str):
             ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # numpy, torch
             if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"a prompt is a string or a list of token ids (integers), "
                                  f"got {str(prompt)[:80]}")
-            return list(ids)
+            return [int(t) for t in ids]
         if self.tokenizer is None:
-            where = (f"--tokenizer {self.config.tokenizer} has none" if self.config.tokenizer
-                     else "the model folder has none")
+            where = (f"--tokenizer {self.config.tokenizer} has no tokenizer.json"
+                     if self.config.tokenizer else "the model folder has no tokenizer.json")
             raise ValueError(f"a text prompt needs a tokenizer, and {where}: pass token ids, "
                              "or a tokenizer folder (EngineConfig(tokenizer=...), --tokenizer)")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt)  # special tokens added, as transformers' encode
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -159,15 +170,10 @@ class LLM:
             self.engine.step()
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def _load_tokenizer(config: EngineConfig):
+def _load_tokenizer(config: EngineConfig) -> TextTokenizer | None:
+    """The folder's tokenizer.json, as the API process loads it; None without one (a
+    checkpoint without tokenizer files: token-id prompts only, and no text)."""
     path = Path(config.tokenizer or config.model_dir())
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None  # transformers would build an empty tokenizer from config.json alone
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError):
-        return None  # a checkpoint without tokenizer files: token-id prompts only
+    if not (path / "tokenizer.json").is_file():
+        return None
+    return TextTokenizer.from_dir(path)

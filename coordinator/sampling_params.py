@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -42,17 +43,21 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        # numpy scalars are welcome, as Python numbers (the wire carries those only)
         for name in ("max_new_tokens", "top_k", "n", "num_beams", "min_tokens", "top_logprobs",
                      "seed"):
             value = getattr(self, name)
-            if (value is not None or name != "seed") \
-                    and (not isinstance(value, int) or isinstance(value, bool)):
+            if value is None and name == "seed":
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+            setattr(self, name, int(value))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "length_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

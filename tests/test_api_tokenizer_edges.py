@@ -49,6 +49,9 @@ def test_padded_ids_are_named_apart_and_detokenize(server):
     assert answer.status_code == 200, answer.text
     beyond = httpx.post(server.url + "/detokenize", json={"tokens": [MODEL_VOCAB]}, timeout=30)
     assert beyond.status_code == 400 and f"[0, {MODEL_VOCAB})" in beyond.json()["message"]
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={  # a prompt holding them
+        "model": "m", "prompt": [72, *padded], "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text
 
 
 def test_tokenize_honours_add_special_tokens_for_messages(server):

@@ -233,21 +233,50 @@ def test_detokenizer_drops_held_bytes_of_a_left_out_token(tok):
     assert flushed.take_delta(final=True).endswith("\ufffd")  # what finish() alone does
 
 
-def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(tok):
+PIECES = [b"\xe4\xb8", b"\x96\xe7\x95", b" \xe4"]  # entries a larger vocabulary has
+
+
+@pytest.fixture(scope="module")
+def pieces_tok(tmp_path_factory):
+    """The demo tokenizer with PIECES as entries 2000.. (decoding needs no merges)."""
+    import json
+    import shutil
+
+    from api.tokenizer import _BYTE_OF_CHAR
+    from model.demo import ensure_demo_checkpoint
+    folder = tmp_path_factory.mktemp("pieces")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_demo_checkpoint() / name, folder / name)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    char_of = {b: c for c, b in _BYTE_OF_CHAR.items()}
+    for i, piece in enumerate(PIECES):
+        spec["model"]["vocab"]["".join(char_of[b] for b in piece)] = 2000 + i
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    from api.tokenizer import TextTokenizer
+    return TextTokenizer.from_dir(folder)
+
+
+@pytest.mark.parametrize("tail,want", [
+    ([b"\xc3", b"\xf7"], "ok\ufffd\ufffd"), ([b"\xf7", b"\xe6"], "ok\ufffd"),
+    ([b"f", b"\xc3", b"\xf7"], "okf\ufffd\ufffd"), ([b"\xe6", b"\x97"], "ok"),
+    ([b"f\xc3"], "okf"),                           # a letter sharing a token with a lead byte
+    ([b"\xe4\xb8", b"\x96\xe7\x95"], "ok\u4e16"),  # the last token completes one, opens one
+    ([b" \xe4"], "ok "),
+])
+def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(pieces_tok, tail, want):
     """Only the held bytes that begin a character the left-out token might have completed
-    are dropped; held characters that are already final (U+FFFD for a byte that never
-    begins a character, an ASCII letter sharing a token with a lead byte) go out. All the
-    held text was dropped (an outside fuzzer's find: "f\\xc3" then 0xF7 lost the "f")."""
-    one = {tok.token_bytes(i): i for i in range(tok.vocab_size)
-           if len(tok.token_bytes(i)) == 1 and i not in tok.special_ids}
-    ok = tok.encode("ok")
-    for tail, want in [(b"\xc3\xf7", "ok\ufffd\ufffd"), (b"\xf7\xe6", "ok\ufffd"),
-                       (b"f\xc3\xf7", "okf\ufffd\ufffd"), (b"\xe6\x97", "ok")]:
-        d = IncrementalDetokenizer(tok, [], True, StopChecker())
-        d.add_tokens(ok + [one[bytes([b])] for b in tail])
-        d.drop_held()
-        d.finish()
-        assert d.take_delta(final=True) == want, tail
+    (one U+FFFD at the end) are dropped; held characters that are already final go out
+    (U+FFFD for a byte that never begins a character, a letter or a completed character
+    sharing a token with a lead byte). All the held text was dropped (an outside fuzzer's
+    find: "f\\xc3" then 0xF7 lost the "f")."""
+    tok = pieces_tok
+    ids_of = {tok.token_bytes(i): i for i in [*range(tok.vocab_size), 2000, 2001, 2002]
+              if i not in tok.special_ids}
+    d = IncrementalDetokenizer(tok, [], True, StopChecker())
+    d.add_tokens(tok.encode("ok") + [ids_of[piece] for piece in tail])
+    d.drop_held()
+    d.finish()
+    assert d.take_delta(final=True) == want
 
 
 def test_detokenizer_stop_strings(tok):

@@ -63,9 +63,28 @@ def test_token_id_prompts_must_be_integers(llm, prompt) -> None:
         llm.generate([prompt], greedy(max_new_tokens=1))
 
 
-def test_numpy_prompts_give_python_ints(llm) -> None:
-    (result,) = llm.generate([np.array([5, 6, 7])], greedy(max_new_tokens=1))
-    assert result.prompt_token_ids == [5, 6, 7] and type(result.prompt_token_ids[0]) is int
+def test_numpy_prompts_and_params_give_python_numbers(llm) -> None:
+    for prompt in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7]):
+        (result,) = llm.generate([prompt], greedy(max_new_tokens=1))
+        assert result.prompt_token_ids == [5, 6, 7] and type(result.prompt_token_ids[0]) is int
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.uint64(7))
+    assert (type(params.temperature), type(params.top_k), type(params.seed)) == (float, int, int)
+    assert llm.generate([PROMPT], params)[0].error_code is None
+
+
+def test_text_is_the_api_text_when_a_stop_token_follows_an_open_character(llm, tokenizer) -> None:
+    """A held lead byte before a left-out stop token is dropped, as the API drops it (the
+    stop token might have completed its character); a decode of the ids before the stop
+    token kept its U+FFFD."""
+    lead = tokenizer.convert_tokens_to_ids("Ã")  # the byte 0xC3, which opens a character
+    stop = tokenizer.convert_tokens_to_ids("a")
+    # the lead byte first, until the penalties let the stop token win
+    params = greedy(max_new_tokens=8, ignore_eos=True, logit_bias={lead: 100, stop: 97},
+                    presence_penalty=2, frequency_penalty=2, stop_token_ids=[stop])
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    assert out.token_ids[-1] == stop and set(out.token_ids[:-1]) == {lead}
+    full = tokenizer.decode(out.token_ids[:-1])
+    assert full.endswith("\ufffd") and out.text == full[:-1]
 
 
 def test_cumulative_logprob_only_where_computed(llm) -> None:
