@@ -64,7 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--no-prefix-caching", action="store_true")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
-    a("--api-key")
+    a("--api-key", default=os.environ.get("TAPSERVE_API_KEY") or None,
+      help="Bearer key for every endpoint but /health (default: $TAPSERVE_API_KEY, which keeps "
+           "it off the command lines that ps shows)")
     a("--max-queued-requests", type=int, default=1024)
     a("--shutdown-timeout", type=float, default=10.0)
     a("--seed", type=int, default=0)

@@ -125,8 +125,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads >= tp.size:
             self.num_kv_heads = split_evenly(num_kv_heads, tp.size, "num_key_value_heads")
         elif tp.size % num_kv_heads:
-            raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of "
-                             f"num_key_value_heads ({num_kv_heads})")
+            raise ParallelLayoutError(f"tensor-parallel size {tp.size} is not a multiple of "
+                                      f"num_key_value_heads ({num_kv_heads})")
         else:
             self.num_kv_heads = 1
         self.total_kv_heads = num_kv_heads

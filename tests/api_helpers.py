@@ -44,9 +44,10 @@ class LiveServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tapserve-api-test-", suffix=".log",
                                                delete=False)
         argv = [sys.executable, "launch.py", "--port", str(self.port), "--device", device, *args]
-        if api_key:
-            argv += ["--api-key", api_key]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("TAPSERVE_API_KEY", None)
+        if api_key:  # as the docs advise: off every command line
+            env["TAPSERVE_API_KEY"] = api_key
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
         self._wait_ready(startup_timeout)

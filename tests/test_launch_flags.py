@@ -195,10 +195,14 @@ def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
     from tests.checkpoints import make_tiny_checkpoint
     odd = make_tiny_checkpoint(tmp_path / "odd", "qwen3", tokenizer=True,
                                num_attention_heads=3, num_key_value_heads=3, head_dim=16)
-    cases = [(["--model", str(odd)], "num_attention_heads (3) is not divisible"),
-             (["--tp", "1"], "--tp 1 does not match the number of ranks started (2)")]
-    for args, message in cases:
-        proc = _launch("--nproc-per-node", "2", "--device", "cpu", "--port", "0", *args)
+    kv = make_tiny_checkpoint(tmp_path / "kv", "qwen3", tokenizer=True,  # 2 KV heads at 3 ranks
+                              num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    cases = [("2", ["--model", str(odd)], "num_attention_heads (3) is not divisible"),
+             ("3", ["--model", str(kv)],
+              "tensor-parallel size 3 is not a multiple of num_key_value_heads (2)"),
+             ("2", ["--tp", "1"], "--tp 1 does not match the number of ranks started (2)")]
+    for ranks, args, message in cases:
+        proc = _launch("--nproc-per-node", ranks, "--device", "cpu", "--port", "0", *args)
         assert proc.returncode != 0 and proc.stderr.count(message) == 1, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "launch.py --nproc-per-node 1" in proc.stderr

@@ -85,9 +85,9 @@ def test_zmq_sockets_only_ipc_in_private_dir(server):
     assert {Path(p).name for p in unix_socket_paths(rank0)} >= {"to_engine", "from_engine"}
     for name in ("to_engine", "from_engine"):
         assert stat.S_ISSOCK((ipc_dir / name).stat().st_mode)
-    key_file = ipc_dir / "api_key"  # the key never shows in ps
+    key_file = ipc_dir / "api_key"  # given in $TAPSERVE_API_KEY, the key never shows in ps
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    assert not any(KEY in a for a in argv)
+    assert not any(KEY in a for pid in (rank0, api) for a in cmdline(pid))
     # no ZeroMQ endpoint on TCP: the only listening TCP socket is the HTTP port, on loopback
     assert listening_tcp([rank0, *descendants(rank0)]) == [(api, "127.0.0.1", server.port)]
 
