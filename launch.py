@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--no-prefix-caching", action="store_true")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
-    a("--api-key", default=os.environ.get("TAPSERVE_API_KEY") or None,
+    a("--api-key", default=os.environ.get("TAPSERVE_API_KEY"),
       help="Bearer key for every endpoint but /health (default: $TAPSERVE_API_KEY, which keeps "
            "it off the command lines that ps shows)")
     a("--max-queued-requests", type=int, default=1024)
@@ -85,8 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     absolute_paths(args)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.api_key is not None and not args.api_key:
-        p.error("--api-key is empty (an unset variable?); leave it out to serve without a key")
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key (or $TAPSERVE_API_KEY) is empty (an unset variable?); leave it out "
+                "to serve without a key")
     if args.max_queued_requests < 0:
         p.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not args.shutdown_timeout >= 0:  # (NaN too)

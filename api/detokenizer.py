@@ -39,7 +39,12 @@ def _open_character_bytes(data: bytes) -> int:
         byte = data[-back]
         if 0x80 <= byte < 0xC0:
             continue  # a continuation byte: its lead is further back
-        return back if back < _utf8_length(byte) else 0
+        if back >= _utf8_length(byte):
+            return 0
+        second = _SECOND_BYTE.get(byte)  # (E0 80 .. is overlong, ED A0 .. a surrogate: never)
+        if back > 1 and second and not second[0] <= data[-back + 1] <= second[1]:
+            return 0
+        return back
     return 0
 
 
@@ -242,12 +247,18 @@ class IncrementalDetokenizer:
         if self.stopped or self._read_offset >= end:
             return
         if getattr(self.decoder, "byte_level", False):
-            held = b"".join(map(self.decoder.token_bytes, self._ids[max(end - 3, self._read_offset):]))
+            held = b"".join(self._shown_bytes(t) for t in self._ids[self._read_offset:])
             prefix, full = self._decode(self._read_offset), self._decode(end)
             if _open_character_bytes(held) and full.endswith("\ufffd"):
                 full = full[:-1]
             self._append_last(full[len(prefix):] if len(full) > len(prefix) else "")
         self._read_offset = len(self._ids)
+
+    def _shown_bytes(self, token: int) -> bytes:
+        """A token's bytes in the decoded text: none for a special token it skips."""
+        if self.skip_special_tokens and token in getattr(self.decoder, "special_ids", ()):
+            return b""
+        return self.decoder.token_bytes(token)
 
     def _append_last(self, grown: str) -> None:
         """The last text of an ended sequence, credited to its last token."""

@@ -57,7 +57,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            setattr(self, name, float(value))
+            try:
+                setattr(self, name, float(value))
+            except OverflowError:
+                raise ValueError(f"{name} is beyond float's range, got {value!r}") from None
         if self.top_k == -1:
             self.top_k = 0
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}

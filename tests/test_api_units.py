@@ -262,6 +262,8 @@ def pieces_tok(tmp_path_factory):
     ([b"f\xc3"], "okf"),                           # a letter sharing a token with a lead byte
     ([b"\xe4\xb8", b"\x96\xe7\x95"], "ok\u4e16"),  # the last token completes one, opens one
     ([b" \xe4"], "ok "),
+    ([b"\xe4", "<|im_start|>"], "ok"),        # a skipped special token after the lead byte
+    ([b"\xe0", b"\x80"], "ok\ufffd\ufffd"),  # E0 80 is overlong: nothing could complete it
 ])
 def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(pieces_tok, tail, want):
     """Only the held bytes that begin a character the left-out token might have completed
@@ -273,7 +275,8 @@ def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(pieces_to
     ids_of = {tok.token_bytes(i): i for i in [*range(tok.vocab_size), 2000, 2001, 2002]
               if i not in tok.special_ids}
     d = IncrementalDetokenizer(tok, [], True, StopChecker())
-    d.add_tokens(tok.encode("ok") + [ids_of[piece] for piece in tail])
+    d.add_tokens(tok.encode("ok") + [ids_of[piece] if isinstance(piece, bytes) else
+                                      tok.tokenizer.token_to_id(piece) for piece in tail])
     d.drop_held()
     d.finish()
     assert d.take_delta(final=True) == want

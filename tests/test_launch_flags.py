@@ -58,7 +58,9 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--max-queued-requests", "-1"], None, "--max-queued-requests must be >= 0"),
     # found by an outside tester of the 18th session (tracebacks, or errors only after loading)
     (["--seed", str(2 ** 70)], None, "seed must fit in 64 bits"),
-    (["--api-key="], None, "--api-key is empty"),
+    (["--api-key="], None, "is empty"),
+    (["--api-key", "   "], None, "is empty"),
+    ([], {"TAPSERVE_API_KEY": ""}, "$TAPSERVE_API_KEY) is empty"),
     (["--chat-template", "{% for m in messages %}{{ m }}"], None, "--chat-template does not compile"),
     (["--custom-module", "nosuchpkg.mod:H"], None, "cannot import custom module 'nosuchpkg.mod'"),
     (["--model", "/nonexistent"], None, "model folder not found: /nonexistent"),

@@ -98,6 +98,8 @@ def test_cumulative_logprob_only_where_computed(llm) -> None:
 def test_seed_beyond_the_wire_is_refused() -> None:
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**70)
+    with pytest.raises(ValueError, match="top_p is beyond float's range"):
+        SamplingParams(top_p=10**400)  # (OverflowError, which callers do not catch)
 
 
 def test_misused_params_are_named(llm) -> None:
