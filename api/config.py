@@ -112,7 +112,9 @@ class ApiConfig:
         args = vars(_parser().parse_args(argv))
         key_file = args.pop("api_key_file")
         if key_file:
-            args["api_key"] = Path(key_file).read_text(encoding="utf-8").strip()
+            # ASCII whitespace only, as the gate strips the header's bytes (a key may end in
+            # a no-break space)
+            args["api_key"] = Path(key_file).read_text(encoding="utf-8").strip(" \t\n\r\x0b\x0c")
         args["api_key"] = args["api_key"] or os.environ.get("TAPSERVE_API_KEY") or None
         return cls(**args)
 

@@ -213,15 +213,16 @@ class IncrementalDetokenizer:
         return self.decoder.decode(self._ids[self._prefix_offset:end], self.skip_special_tokens)
 
     def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
-        """When giving up on held tokens: keep back the last one to three of them if their
-        bytes end in a character's first bytes, which the next token may complete (flushed,
-        their U+FFFD would stand for good and the completed character be lost); the text
-        before them goes out. Only for a byte-level BPE decoder (TextTokenizer.byte_level),
-        whose decode of a window may end inside a character and go on from there."""
+        """When giving up on held tokens: keep back the last of them if their bytes end in
+        a character's first bytes, which the next token may complete (flushed, their U+FFFD
+        would stand for good and the completed character be lost); the text before them
+        goes out. The cut goes back to where the text up to it is final (a token that
+        completes one character and opens the next is no such place), and at least the
+        first held token goes out. Only for a byte-level BPE decoder (TextTokenizer.
+        byte_level), whose decode of a window may end inside a character and go on."""
         if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
             return end, full  # decodes as a whole: cut, it would read differently)
-        token_bytes = self.decoder.token_bytes
-        last = [token_bytes(t) for t in self._ids[max(end - 3, self._read_offset + 1):end]]
+        last = [self._shown_bytes(t) for t in self._ids[self._read_offset + 1:end]]
         opened = _open_character_bytes(b"".join(last))
         k, held_bytes = 0, 0
         while held_bytes < opened:  # the fewest last tokens that hold the open bytes
@@ -229,8 +230,11 @@ class IncrementalDetokenizer:
             held_bytes += len(last[-k])
         if k == 0:
             return end, full
-        shorter = self._decode(end - k)
-        return (end - k, shorter) if full.startswith(shorter) else (end, full)
+        for cut in range(end - k, self._read_offset, -1):
+            shorter = self._decode(cut)
+            if full.startswith(shorter):
+                return cut, shorter
+        return end, full
 
     def finish(self) -> None:
         """The sequence ended: flush characters held for completion."""

@@ -18,6 +18,16 @@ MODEL_DEFAULT_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min
                         "repetition_penalty": float}
 
 
+def _finite_number(value: object) -> bool:
+    """A real number (numpy's too, not a bool) that float holds, finite."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
@@ -63,6 +73,13 @@ class SamplingParams:
                 raise ValueError(f"{name} is beyond float's range, got {value!r}") from None
         if self.top_k == -1:
             self.top_k = 0
+        ids = [*self.logit_bias, *self.stop_token_ids]
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"logit_bias keys and stop_token_ids must be token ids (integers), "
+                             f"got {[t for t in ids if not isinstance(t, numbers.Integral)][:3]}")
+        bias = list(self.logit_bias.values())
+        if not all(map(_finite_number, bias)):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias[:5]}")
         self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
@@ -149,6 +166,11 @@ class SamplingParams:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown sampling fields: {sorted(unknown)}")
+        bias = d.get("logit_bias") or {}
+        try:  # msgpack maps take string keys: to_dict wrote the token ids so
+            d = {**d, "logit_bias": {int(k) if isinstance(k, str) else k: v for k, v in bias.items()}}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {list(bias)[:3]}") from None
         return cls(**d)
 
 

@@ -282,6 +282,25 @@ def test_detokenizer_drops_only_an_open_character_for_a_left_out_token(pieces_to
     assert d.take_delta(final=True) == want
 
 
+@pytest.mark.parametrize("pieces", [
+    [b"\xe4", "<|im_start|>", b"\xb8", b"\x96"],  # a skipped special token at the give-up point
+    [b"\xe4\xb8", b"\x96\xe7\x95", b"\x8c"],      # one token completes a character, opens one
+])
+def test_detokenizer_gives_up_where_the_text_is_final(pieces_tok, pieces):
+    """After 8 held tokens the detokenizer gives up waiting, keeping back the tokens of a
+    character still open: measured by the bytes the text shows (a skipped special token
+    shows none), and cut where the text before is final. Both cases flushed the open
+    character as U+FFFD, and its completion was lost."""
+    tok = pieces_tok
+    ids_of = {tok.token_bytes(i): i for i in [*range(tok.vocab_size), 2000, 2001, 2002]
+              if i not in tok.special_ids}
+    ids = [ids_of[b"\x80"]] * 6 + [ids_of[p] if isinstance(p, bytes) else tok.tokenizer.token_to_id(p)
+                                   for p in pieces]
+    streamed, _ = _stream(tok, ids)
+    assert "".join(streamed) == tok.decode(ids)
+    assert tok.decode(ids).startswith("\ufffd" * 6 + "\u4e16") and "\ufffd" * 7 not in tok.decode(ids)
+
+
 def test_detokenizer_stop_strings(tok):
     text = "one two three four five six"
     ids = tok.encode(text)
@@ -370,7 +389,7 @@ def test_gate_auth_and_body_limit():
     assert health.status_code == 200
 
 
-def test_gate_takes_a_key_beyond_ascii_as_the_client_sends_it():
+def test_gate_takes_a_key_beyond_ascii_as_the_client_sends_it(tmp_path):
     """curl sends a header's bytes as typed (UTF-8); the key was compared with the header
     decoded as latin-1 and encoded again as UTF-8, so a key with "é" never matched."""
     import asyncio
@@ -393,6 +412,10 @@ def test_gate_takes_a_key_beyond_ascii_as_the_client_sends_it():
             r = await c.post("/generate", headers=[(b"Authorization", b"Bearer " + key)])
             return r.status_code
     assert asyncio.run(main("sekret-ké y".encode())) == 200
+    # through the API process's key file: a key ending in a no-break space keeps it
+    nbsp = ApiConfig.from_argv(ApiConfig(ipc_dir=str(tmp_path), tokenizer="/t",
+                                         api_key="k\u00a0").to_argv())
+    assert nbsp.api_key == "k\u00a0"
     assert asyncio.run(main("sekret-ké y".encode("latin-1"))) == 401
     assert asyncio.run(main(b"sekret-k y")) == 401
 

@@ -100,6 +100,10 @@ def test_seed_beyond_the_wire_is_refused() -> None:
         SamplingParams(seed=2**70)
     with pytest.raises(ValueError, match="top_p is beyond float's range"):
         SamplingParams(top_p=10**400)  # (OverflowError, which callers do not catch)
+    for kwargs in ({"logit_bias": {1: 10**400}}, {"logit_bias": {float("inf"): 1}},
+                   {"stop_token_ids": [1.7]}, {"logit_bias": {1: None}}, {"stop_token_ids": ["7"]}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(**kwargs)
 
 
 def test_misused_params_are_named(llm) -> None:
