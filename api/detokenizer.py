@@ -217,12 +217,13 @@ class IncrementalDetokenizer:
         a character's first bytes, which the next token may complete (flushed, their U+FFFD
         would stand for good and the completed character be lost); the text before them
         goes out. The cut goes back to where the text up to it is final (a token that
-        completes one character and opens the next is no such place), and at least the
-        first held token goes out. Only for a byte-level BPE decoder (TextTokenizer.
-        byte_level), whose decode of a window may end inside a character and go on."""
+        completes one character and opens the next is no such place); nothing goes out when
+        the character open is the first held token's (skipped special tokens after it show
+        nothing). Only for a byte-level BPE decoder (TextTokenizer.byte_level), whose
+        decode of a window may end inside a character and go on."""
         if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
             return end, full  # decodes as a whole: cut, it would read differently)
-        last = [self._shown_bytes(t) for t in self._ids[self._read_offset + 1:end]]
+        last = [self._shown_bytes(t) for t in self._ids[self._read_offset:end]]
         opened = _open_character_bytes(b"".join(last))
         k, held_bytes = 0, 0
         while held_bytes < opened:  # the fewest last tokens that hold the open bytes
@@ -230,7 +231,7 @@ class IncrementalDetokenizer:
             held_bytes += len(last[-k])
         if k == 0:
             return end, full
-        for cut in range(end - k, self._read_offset, -1):
+        for cut in range(end - k, self._read_offset - 1, -1):
             shorter = self._decode(cut)
             if full.startswith(shorter):
                 return cut, shorter

@@ -73,10 +73,15 @@ class SamplingParams:
                 raise ValueError(f"{name} is beyond float's range, got {value!r}") from None
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = self.logit_bias or {}  # None: none (as vLLM)
+        self.stop_token_ids = self.stop_token_ids or []
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         ids = [*self.logit_bias, *self.stop_token_ids]
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
             raise ValueError(f"logit_bias keys and stop_token_ids must be token ids (integers), "
-                             f"got {[t for t in ids if not isinstance(t, numbers.Integral)][:3]}")
+                             f"got {bad[:3]}")
         bias = list(self.logit_bias.values())
         if not all(map(_finite_number, bias)):
             raise ValueError(f"logit_bias values must be finite numbers, got {bias[:5]}")
