@@ -25,7 +25,7 @@ import traceback
 from api.tokenizer import names_a_file
 from coordinator.config import EngineConfig
 from coordinator.custom_outputs import RequestError
-from model.custom_output import HandlerLoadError
+from model.custom_output import HandlerLoadError, names_a_module_file
 from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
 
 DEMO_HEAD = "model.demo:DemoHead"
@@ -106,7 +106,7 @@ def absolute_paths(args: argparse.Namespace) -> None:
     if args.generation_config not in ("auto", "vllm"):
         args.generation_config = os.path.abspath(args.generation_config)
     target, colon, name = (args.custom_module or "").partition(":")
-    if target.endswith(".py") or "/" in target:
+    if names_a_module_file(target):
         args.custom_module = os.path.abspath(target) + colon + name
 
 

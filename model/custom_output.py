@@ -117,11 +117,17 @@ def startup_step(what: str) -> Iterator[None]:
         raise HandlerLoadError(f"{what}: {describe_error(e)}") from e
 
 
+def names_a_module_file(target: str) -> bool:
+    """The module part of a `--custom-module` spec is a file path (`x.py`, `dir/x`), not a
+    dotted module name."""
+    return target.endswith(".py") or "/" in target
+
+
 def load_handler_class(spec: str) -> type:
     """`path/to/file.py[:Class]` or `package.module:Class`. Without a class name the module
     must define exactly one handler-looking class."""
     target, _, class_name = spec.partition(":")
-    if target.endswith(".py") or "/" in target:
+    if names_a_module_file(target):
         path = Path(target)
         if not path.is_file():
             raise HandlerLoadError(f"custom module file not found: {path}")
@@ -149,7 +155,7 @@ def check_handler_spec(spec: str) -> None:
     file does not exist, or its top-level package is not importable. Nothing is imported or
     run (the module is loaded once, on rank 0, after the process group and the model)."""
     target = spec.partition(":")[0]
-    if target.endswith(".py") or "/" in target:
+    if names_a_module_file(target):
         if not Path(target).is_file():
             raise HandlerLoadError(f"custom module file not found: {target}")
         return
