@@ -187,8 +187,7 @@ class Generation:
         # skip_special_tokens off); the token still counts (usage, logprobs). Decided by the
         # token, not by the finish: a sequence whose last token is scored (LAST_GENERATED)
         # finishes in a later output. Sampling bans both before min_tokens, so one is last.
-        hidden = int(bool(ids) and self._ends_choice(ids[-1], p)
-                     and not p.include_stop_str_in_output)
+        hidden = int(p.hides_last(ids, self.eos_token_ids))
         used = choice.detok.add_tokens(ids[:len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1
@@ -244,11 +243,7 @@ class Generation:
         last = choice.token_ids[-1] if choice.token_ids else None
         if last is None or (not p.ignore_eos and last == self.primary_eos):
             return None
-        return last if self._ends_choice(last, p) else None
-
-    def _ends_choice(self, token: int, p: SamplingParams) -> bool:
-        """token is a stop token id, or an EOS the request heeds: it ends its choice."""
-        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        return last if p.ends_on(last, self.eos_token_ids) else None
 
     def _finish_rest(self, state: PromptState) -> list[ChoiceDelta]:
         deltas = []

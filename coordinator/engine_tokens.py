@@ -194,7 +194,7 @@ class TokenSteps:
         num_tokens = len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
-            if (not p.ignore_eos and token in self.options.eos_token_ids) or token in p.stop_token_ids:
+            if p.ends_on(token, self.options.eos_token_ids):
                 return "stop"
         if num_output >= p.max_new_tokens or num_tokens >= self.options.max_model_len:
             return "length"

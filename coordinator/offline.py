@@ -129,9 +129,7 @@ class LLM:
         """A last token that ends its sequence (a stop token id, or an EOS the request
         heeds) leaves its text out unless include_stop_str_in_output, and with it a
         character it might have completed; special tokens as skip_special_tokens says."""
-        eos = () if p.ignore_eos else self.engine.options.eos_token_ids
-        hidden = bool(ids) and (ids[-1] in p.stop_token_ids or ids[-1] in eos) \
-            and not p.include_stop_str_in_output
+        hidden = p.hides_last(ids, self.engine.options.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens,
                                        StopChecker())
         detok.add_tokens(ids[:len(ids) - hidden])

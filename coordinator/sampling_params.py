@@ -132,6 +132,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def ends_on(self, token: int, eos_token_ids) -> bool:
+        """token ends a sequence of this request: a stop token id, or one of the model's EOS
+        ids unless ignore_eos."""
+        return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
+
+    def hides_last(self, token_ids: list[int], eos_token_ids) -> bool:
+        """The last of token_ids ends the sequence and its text is left out of the output
+        (unless include_stop_str_in_output), as vLLM writes a stop token's and an EOS's."""
+        return bool(token_ids) and not self.include_stop_str_in_output \
+            and self.ends_on(token_ids[-1], eos_token_ids)
+
     @property
     def temperature_only(self) -> bool:
         """Sampled with a temperature alone: no top-k, top-p or min-p filter."""
