@@ -223,7 +223,7 @@ class IncrementalDetokenizer:
         decode of a window may end inside a character and go on."""
         if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
             return end, full  # decodes as a whole: cut, it would read differently)
-        last = [self._shown_bytes(t) for t in self._ids[self._read_offset:end]]
+        last = self._held_bytes(end)
         opened = _open_character_bytes(b"".join(last))
         k, held_bytes = 0, 0
         while held_bytes < opened:  # the fewest last tokens that hold the open bytes
@@ -252,18 +252,18 @@ class IncrementalDetokenizer:
         if self.stopped or self._read_offset >= end:
             return
         if getattr(self.decoder, "byte_level", False):
-            held = b"".join(self._shown_bytes(t) for t in self._ids[self._read_offset:])
             prefix, full = self._decode(self._read_offset), self._decode(end)
-            if _open_character_bytes(held) and full.endswith("\ufffd"):
+            if _open_character_bytes(b"".join(self._held_bytes(end))) and full.endswith("\ufffd"):
                 full = full[:-1]
             self._append_last(full[len(prefix):] if len(full) > len(prefix) else "")
         self._read_offset = len(self._ids)
 
-    def _shown_bytes(self, token: int) -> bytes:
-        """A token's bytes in the decoded text: none for a special token it skips."""
-        if self.skip_special_tokens and token in getattr(self.decoder, "special_ids", ()):
-            return b""
-        return self.decoder.token_bytes(token)
+    def _held_bytes(self, end: int) -> list[bytes]:
+        """Each held token's bytes (up to end) as the decoded text shows them: none for a
+        special token it skips."""
+        skipped = getattr(self.decoder, "special_ids", ()) if self.skip_special_tokens else ()
+        return [b"" if t in skipped else self.decoder.token_bytes(t)
+                for t in self._ids[self._read_offset:end]]
 
     def _append_last(self, grown: str) -> None:
         """The last text of an ended sequence, credited to its last token."""

@@ -86,8 +86,9 @@ class Gate:
         self.metrics.requests.labels(endpoint=path, status=str(status)).inc()
 
     def _authorized(self, scope: dict) -> bool:
-        # the header's own bytes: a key beyond ASCII arrives as the client's UTF-8
-        auth = next((v for k, v in scope.get("headers", []) if k.lower() == b"authorization"), b"")
+        # the header's own bytes (latin-1 gives them back): a key beyond ASCII arrives as
+        # the client's UTF-8
+        auth = (_header(scope, b"authorization") or "").encode("latin-1")
         scheme, _, token = auth.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
