@@ -1,7 +1,6 @@
 """Offline use in one process: `LLM(EngineConfig(...)).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -13,7 +12,7 @@ from api.tokenizer import TextTokenizer
 from api.wire import RequestOutput
 from coordinator.config import EngineConfig, build_engine, build_runner
 from coordinator.custom_outputs import RequestError, decode_value
-from coordinator.sampling_params import SamplingParams, model_sampling_defaults
+from coordinator.sampling_params import SamplingParams, is_integer, model_sampling_defaults
 
 
 @dataclass
@@ -149,8 +148,7 @@ class LLM:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # numpy, torch
-            if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
                 raise ValueError(f"a prompt is a string or a list of token ids (integers), "
                                  f"got {str(prompt)[:80]}")
             return [int(t) for t in ids]

@@ -18,6 +18,11 @@ MODEL_DEFAULT_FIELDS = {"temperature": float, "top_k": int, "top_p": float, "min
                         "repetition_penalty": float}
 
 
+def is_integer(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _finite_number(value: object) -> bool:
     """A real number (numpy's too, not a bool) that float holds, finite."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
@@ -53,41 +58,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        # numpy scalars are welcome, as Python numbers (the wire carries those only)
-        for name in ("max_new_tokens", "top_k", "n", "num_beams", "min_tokens", "top_logprobs",
-                     "seed"):
-            value = getattr(self, name)
-            if value is None and name == "seed":
-                continue
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            setattr(self, name, int(value))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "length_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            try:
-                setattr(self, name, float(value))
-            except OverflowError:
-                raise ValueError(f"{name} is beyond float's range, got {value!r}") from None
+        self._take_numbers()
         if self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = self.logit_bias or {}  # None: none (as vLLM)
-        self.stop_token_ids = self.stop_token_ids or []
-        if not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
-        ids = [*self.logit_bias, *self.stop_token_ids]
-        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-        if bad:
-            raise ValueError(f"logit_bias keys and stop_token_ids must be token ids (integers), "
-                             f"got {bad[:3]}")
-        bias = list(self.logit_bias.values())
-        if not all(map(_finite_number, bias)):
-            raise ValueError(f"logit_bias values must be finite numbers, got {bias[:5]}")
-        self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
@@ -127,6 +101,39 @@ class SamplingParams:
         # all-NaN row samples token 0); within them the draws are already those of the limit
         self.temperature = min(self.temperature, MAX_SCALE)
         self.repetition_penalty = min(max(self.repetition_penalty, 1 / MAX_SCALE), MAX_SCALE)
+
+    def _take_numbers(self) -> None:
+        """Each number field as a Python number of its type (numpy scalars are welcome: the
+        wire carries Python numbers only); a ValueError naming a field that holds no such
+        number. None for logit_bias or stop_token_ids is none (as vLLM)."""
+        for name in ("max_new_tokens", "top_k", "n", "num_beams", "min_tokens", "top_logprobs",
+                     "seed"):
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            if not is_integer(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            setattr(self, name, int(value))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            try:
+                setattr(self, name, float(value))
+            except OverflowError:
+                raise ValueError(f"{name} is beyond float's range, got {value!r}") from None
+        bias, stop_ids = self.logit_bias or {}, self.stop_token_ids or []
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        bad = [t for t in [*bias, *stop_ids] if not is_integer(t)]
+        if bad:
+            raise ValueError(f"logit_bias keys and stop_token_ids must be token ids (integers), "
+                             f"got {bad[:3]}")
+        if not all(map(_finite_number, bias.values())):
+            raise ValueError(f"logit_bias values must be finite numbers, got {list(bias.values())[:5]}")
+        self.logit_bias = {int(k): float(v) for k, v in bias.items()}
+        self.stop_token_ids = [int(t) for t in stop_ids]
 
     @property
     def greedy(self) -> bool:
