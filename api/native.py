@@ -109,12 +109,14 @@ class CustomOutputRequest(StrictModel):
 
 
 class TokenizeRequest(ChatTemplateFields):
+    model: str | None = None  # as vLLM: if given, the served model's name (else a 404)
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
 
 
 class DetokenizeRequest(StrictModel):
+    model: str | None = None  # as TokenizeRequest's
     tokens: list[int]
     skip_special_tokens: bool = False
 
@@ -305,6 +307,7 @@ def build_router() -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         state = _state(request)
+        state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of prompt, messages", "prompt")
 
@@ -323,6 +326,7 @@ def build_router() -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         state = _state(request)
+        state.check_model(body.model)
         vocab = state.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:

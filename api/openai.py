@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import ApiError, invalid
+from api.errors import invalid
 from api.generation import Choice, ChoiceDelta, Generation
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from api.state import AppState, sse
@@ -25,12 +25,6 @@ from api.values import finite_logprob
 
 def _state(request: Request) -> AppState:
     return request.app.state.tapserve
-
-
-def _check_model(state: AppState, model: str | None) -> None:
-    if model is not None and model != state.config.served_model_name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves "
-                            f"'{state.config.served_model_name}'", "model")
 
 
 def _extra(encoded: Any) -> dict:
@@ -191,13 +185,13 @@ def build_router() -> APIRouter:
     @router.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         state = _state(request)
-        _check_model(state, model_id)
+        state.check_model(model_id)
         return _model_card(state)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         state = _state(request)
-        _check_model(state, body.model)
+        state.check_model(body.model)
         body.check_unsupported()
         prompts = body.prompts()
         if len(prompts) > state.config.max_prompts:
@@ -217,7 +211,7 @@ def build_router() -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         state = _state(request)
-        _check_model(state, body.model)
+        state.check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await state.prepare(request, lambda: _chat_prompt(state, body))

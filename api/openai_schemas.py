@@ -132,6 +132,7 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # a tool message's answer to an assistant's call
 
     def template_dict(self, developer_as_system: bool = False) -> dict:
         """The message as the chat template sees it: text parts joined by newlines, as vLLM
@@ -155,6 +156,8 @@ class ChatMessage(StrictModel):
         out = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:  # as vLLM, for templates that show it
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 

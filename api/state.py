@@ -76,6 +76,12 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's "created"
 
     # ---- checks ----------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        """404 for a request that names a model this server does not serve (None: any)."""
+        if model is not None and model != self.config.served_model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.config.served_model_name}'", "model")
+
     def admit(self, num_requests: int, param: str = "prompt") -> None:
         """605 for a request larger than the whole queue (never admitted, so not a 503 to
         retry); 503 while the engine is down or stopping (silent for the /health timeout: a

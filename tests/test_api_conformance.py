@@ -376,3 +376,31 @@ def test_completion_logprobs_over_characters_split_across_tokens(http, model):
                                                    c["logprobs"]["text_offset"])
         for got, want in zip(s["top"], c["logprobs"]["top_logprobs"]):
             assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-4 for k in got)
+
+
+def test_tokenize_and_detokenize_take_the_model_field(http, model):
+    """As vLLM's: `model` may be given (it was a 400, "unsupported field"); another model's
+    name is a 404, as on /v1/completions."""
+    r = http.post("/tokenize", json={"model": model, "prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert tokens == http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    back = http.post("/detokenize", json={"model": model, "tokens": tokens})
+    assert back.status_code == 200 and back.json()["prompt"] == PROMPT
+    for path, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": tokens})):
+        r = http.post(path, json={**body, "model": "not-" + model})
+        assert r.status_code == 404 and "not-" + model in r.json()["message"], (path, r.text)
+
+
+def test_tool_messages_take_tool_call_id(http, model):
+    """OpenAI's tool messages carry `tool_call_id` (required in its schema): accepted and
+    handed to the template, as vLLM does; it was a 400."""
+    messages = USER + [{"role": "assistant", "content": "Let me look."},
+                       {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
+    r = http.post("/v1/chat/completions", json={"model": model, "messages": messages,
+                                                "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    without = [*messages[:-1], {"role": "tool", "content": "42"}]
+    same = http.post("/tokenize", json={"messages": without}).json()["tokens"]
+    assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == same
+    assert r.json()["usage"]["prompt_tokens"] == len(same)
