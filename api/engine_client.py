@@ -33,10 +33,13 @@ log = logging.getLogger("tapserve.api")
 class EngineError(Exception):
     """A request refused or failed by the engine (605 / 606) or the engine gone (503)."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, param: str | None = None):
+        """param: the request field at fault, by the engine's names (wire.RequestOutput's
+        error_param)."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
@@ -66,7 +69,8 @@ class RequestGroup:
                 if not out.accepted or out.error_code is not None:
                     self.finished.add(out.request_id)
                     error = error or EngineError(out.error_code or wire.EXECUTION_EXCEPTION,
-                                                 out.error_message or "request rejected")
+                                                 out.error_message or "request rejected",
+                                                 out.error_param)
                     continue
                 if out.engine_stop_strings:
                     self.engine_stop_strings.add(out.request_id)

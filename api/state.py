@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from api import wire
 from api.config import ApiConfig
 from api.engine_client import EngineClient, EngineError
-from api.errors import ApiError, invalid, sse_error_event
+from api.errors import ApiError, invalid, is_openai_path, sse_error_event
 from api.generation import Generation
 from api.metrics import ApiMetrics
 from api.tokenizer import TextTokenizer, UnencodableTextError
@@ -63,8 +63,17 @@ async def race_disconnect(request: Request, awaitable: Awaitable) -> Any:
     raise ClientGone()
 
 
-def _api_error(e: EngineError) -> ApiError:
-    return ApiError(e.code, e.message)
+# the engine's names of request fields, as the OpenAI endpoints spell them
+_OPENAI_FIELDS = {"max_new_tokens": "max_tokens"}
+
+
+def _api_error(e: EngineError, path: str) -> ApiError:
+    """The answer for an engine error, its field named as the path's requests name it."""
+    param = e.param
+    if param is not None and is_openai_path(path):
+        chat = path.endswith("/chat/completions")
+        param = "messages" if chat and param == "prompt" else _OPENAI_FIELDS.get(param, param)
+    return ApiError(e.code, e.message, param)
 
 
 @dataclass
@@ -186,7 +195,7 @@ class AppState:
             await (race_disconnect(request, waiting) if watch else waiting)
         except EngineError as e:
             generation.group.abort()
-            raise _api_error(e) from None
+            raise _api_error(e, request.url.path) from None
         except BaseException:
             generation.group.abort()
             raise
@@ -208,7 +217,7 @@ class AppState:
         try:
             await (race_disconnect(request, drain()) if watch else drain())
         except EngineError as e:
-            raise _api_error(e) from None
+            raise _api_error(e, request.url.path) from None
         finally:
             generation.group.abort()
             self.log_done(generation)
@@ -224,7 +233,7 @@ class AppState:
                 async for event in events():
                     yield event
             except EngineError as e:
-                yield sse_error_event(_api_error(e), path)
+                yield sse_error_event(_api_error(e, path), path)
             except Exception as e:  # a bug of ours: the client still gets a last event
                 log.exception("stream of %s failed", path)
                 yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)

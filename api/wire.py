@@ -67,6 +67,9 @@ class RequestOutput:
     # scores the last kept token, LAST_GENERATED), so a choice cut by one waits for its final
     # output; sent only when true
     engine_stop_strings: bool = False
+    # on a rejection: the request field at fault, by the engine's names (SamplingParams'
+    # max_new_tokens, "prompt", "custom_output_params"); sent only when set
+    error_param: str | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ def _output_body(out: RequestOutput) -> dict:
     body = dict(out.__dict__)
     if not body["engine_stop_strings"]:
         del body["engine_stop_strings"]
+    if body["error_param"] is None:
+        del body["error_param"]
     body["sequences"] = [_sequence_body(s) for s in out.sequences]
     return body
 

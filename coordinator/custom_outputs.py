@@ -20,10 +20,13 @@ from model.loader import open_safetensors, safetensors_files
 class RequestError(Exception):
     """A request is refused or failed: code 605 (INVALID_PARAMS) or 606 (EXECUTION_EXCEPTION)."""
 
-    def __init__(self, code: int, message: str):
+    def __init__(self, code: int, message: str, param: str | None = None):
+        """param: the request field at fault, by the engine's names (max_new_tokens,
+        custom_output_params, ...), when one is."""
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype: torch.dtype,
@@ -88,19 +91,20 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
     if handler is None:
         if params is not None:
             raise RequestError(INVALID_PARAMS, "custom_output_params given but no custom output "
-                                               "module is loaded")
+                                               "module is loaded", "custom_output_params")
         if max_new_tokens == 0:
-            raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) needs a custom "
-                                               "output module")
+            raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
+                                               "needs a custom output module", "max_new_tokens")
         return -1
     if params is not None and not isinstance(params, dict):
         raise RequestError(INVALID_PARAMS, f"custom_output_params must be a JSON object, got "
-                                           f"{type(params).__name__}")
+                                           f"{type(params).__name__}", "custom_output_params")
     try:
         pos = handler.select_token_position(list(input_ids), params)
     except ValueError as e:
         raise RequestError(INVALID_PARAMS, f"custom output selection: "
-                                           f"{describe_error(e, with_type=False)}") from None
+                                           f"{describe_error(e, with_type=False)}",
+                           "custom_output_params") from None
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
                                                 f"{describe_error(e)}") from None
@@ -109,13 +113,15 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
                                            f"{describe(pos)[:100]}, not an int position")
     if not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
         raise RequestError(INVALID_PARAMS, f"selected position {int(pos)} is outside "
-                                           f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)")
+                                           f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)",
+                           "custom_output_params")
     if pos == LAST_GENERATED and max_new_tokens == 0:
-        raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) generates no token "
-                                           "for LAST_GENERATED (-2) to score")
+        raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
+                                           "has no generated token for LAST_GENERATED (-2) to "
+                                           "score", "max_new_tokens")
     if pos == -1 and max_new_tokens == 0:
-        raise RequestError(INVALID_PARAMS, "max_new_tokens = 0 (scoring only) but the selector "
-                                           "chose no token")
+        raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
+                                           "but the selector chose no token", "max_new_tokens")
     return int(pos)
 
 

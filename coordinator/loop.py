@@ -140,7 +140,7 @@ class CoordinatorLoop:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
                                     msg.custom_output_params)
         except RequestError as e:
-            return self._rejection(msg.request_id, e.code, e.message)
+            return self._rejection(msg.request_id, e.code, e.message, e.param)
         except (ValueError, TypeError) as e:
             return self._rejection(msg.request_id, wire.INVALID_PARAMS, str(e))
         return wire.RequestOutput(
@@ -148,9 +148,10 @@ class CoordinatorLoop:
             engine_stop_strings=self.engine.requests[msg.request_id].watch_stop_strings)
 
     @staticmethod
-    def _rejection(request_id: str, code: int, message: str) -> wire.RequestOutput:
+    def _rejection(request_id: str, code: int, message: str,
+                   param: str | None = None) -> wire.RequestOutput:
         return wire.RequestOutput(request_id, accepted=False, finished=True,
-                                  error_code=code, error_message=message)
+                                  error_code=code, error_message=message, error_param=param)
 
     def _send_outputs(self, outputs: wire.Outputs) -> None:
         if len(outputs):

@@ -16,26 +16,26 @@ def validate_prompt(ids: list[int], params: SamplingParams, options: "EngineOpti
                     blocks: BlockManager) -> None:
     """Raise RequestError (605) for a prompt the engine cannot run; queue nothing."""
     if not ids:
-        raise RequestError(INVALID_PARAMS, "prompt is empty")
+        raise RequestError(INVALID_PARAMS, "prompt is empty", "prompt")
     if len(ids) >= options.max_model_len:
         raise RequestError(INVALID_PARAMS, f"prompt is {len(ids)} tokens; the model's context "
-                                           f"is {options.max_model_len} (prompt too long)")
+                                           f"is {options.max_model_len} (prompt too long)", "prompt")
     for what, tokens in (("prompt", ids), ("logit_bias", params.logit_bias),
                          ("stop_token_ids", params.stop_token_ids)):
         bad = [t for t in tokens if not 0 <= t < options.vocab_size]
         if bad:
             raise RequestError(INVALID_PARAMS, f"{what} token ids outside the vocabulary "
-                                               f"[0, {options.vocab_size}): {bad[:5]}")
+                                               f"[0, {options.vocab_size}): {bad[:5]}", what)
     if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
         if params.num_beams > options.scheduler.max_num_batched_tokens:
             raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "
-                                               f"max_num_batched_tokens")
+                                               f"max_num_batched_tokens", "num_beams")
         longest = min(len(ids) + params.max_new_tokens, options.max_model_len)
         need = params.num_beams * blocks.blocks_needed(longest)
         if need > blocks.num_blocks:
             raise RequestError(INVALID_PARAMS, f"request needs {need} KV blocks for its "
                                                f"{params.num_beams} beams; the KV cache holds "
-                                               f"{blocks.num_blocks}")
+                                               f"{blocks.num_blocks}", "num_beams")
 
 
 def validate_rows(request_rows: int, params: SamplingParams, options: "EngineOptions") -> None:
@@ -43,6 +43,7 @@ def validate_rows(request_rows: int, params: SamplingParams, options: "EngineOpt
     not fit in max_num_seqs: it could never be admitted."""
     limit = options.scheduler.max_num_seqs
     if request_rows > limit:
-        what = (f"num_beams {params.num_beams}" if params.num_beams > 1 else f"n {params.n}")
-        raise RequestError(INVALID_PARAMS, f"{what} needs {request_rows} sequences at once; "
-                                           f"the server runs at most {limit} (--max-num-seqs)")
+        field = "num_beams" if params.num_beams > 1 else "n"
+        raise RequestError(INVALID_PARAMS, f"{field} {getattr(params, field)} needs {request_rows} "
+                                           f"sequences at once; the server runs at most {limit} "
+                                           f"(--max-num-seqs)", field)

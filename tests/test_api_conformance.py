@@ -404,3 +404,28 @@ def test_tool_messages_take_tool_call_id(http, model):
     same = http.post("/tokenize", json={"messages": without}).json()["tokens"]
     assert http.post("/tokenize", json={"messages": messages}).json()["tokens"] == same
     assert r.json()["usage"]["prompt_tokens"] == len(same)
+
+
+def test_engine_refusals_name_the_field(client, model):
+    """A 605 that the engine decides (the selector's position, a scoring-only request that
+    selects nothing) names its field as the OpenAI request spells it (param was null, and
+    the message spoke of max_new_tokens, the engine's name)."""
+    import openai
+    cases = [
+        ("completions", {"prompt": PROMPT, "max_tokens": 2,
+                         "extra_body": {"custom_output_params": {"position": 999}}},
+         "custom_output_params"),
+        ("completions", {"prompt": PROMPT, "max_tokens": 0,
+                         "extra_body": {"custom_output_params": {"position": -1}}}, "max_tokens"),
+        ("chat.completions", {"messages": USER, "max_tokens": 0,
+                              "extra_body": {"custom_output_params": {"position": -1}}},
+         "max_tokens"),
+    ]
+    for api, kwargs, param in cases:
+        create = client.completions.create if api == "completions" else \
+            client.chat.completions.create
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=model, **kwargs)
+        error = e.value.body
+        assert error["param"] == param and error["code"] == "605_INVALID_PARAMS", (api, error)
+        assert "max_new_tokens" not in error["message"], error
