@@ -22,6 +22,7 @@ import sys
 import tempfile
 import traceback
 
+from api.config import http_url
 from api.tokenizer import names_a_file
 from coordinator.config import EngineConfig
 from coordinator.custom_outputs import RequestError
@@ -85,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     absolute_paths(args)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.tp is not None and args.tp < 1:
+        p.error(f"--tp must be at least 1, got {args.tp}")
     if args.api_key is not None and not args.api_key.strip():
         p.error("--api-key (or $TAPSERVE_API_KEY) is empty (an unset variable?); leave it out "
                 "to serve without a key")
@@ -244,7 +247,9 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
                 "sampling defaults from the generation config: %s (--generation-config vllm "
                 "leaves them out)", ", ".join(args.sampling_defaults))
         log_what_is_served(config, engine)
-        logging.getLogger("tapserve").info("serving on http://%s:%d", args.host, args.port)
+        where = http_url(args.host, args.port) if args.port else \
+            f"{args.host}, on the port that the API process logs (--port 0)"
+        logging.getLogger("tapserve").info("serving on %s", where)
         return loop.run()
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -19,6 +19,11 @@ from coordinator.sampling_params import MODEL_DEFAULT_FIELDS
 _KEY_FILE = "api_key"
 
 
+def http_url(host: str, port: int) -> str:
+    """The server's address as a URL (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass
 class ApiConfig:
     ipc_dir: str  # the coordinator's private dir holding the to_engine / from_engine sockets
@@ -47,6 +52,10 @@ class ApiConfig:
     engine_timeout_s: float = 300.0  # in-flight requests fail (503) after this much silence
     graceful_timeout_s: float = 5.0  # uvicorn's wait for open connections at exit
     log_level: str = "info"
+
+    @property
+    def url(self) -> str:
+        return http_url(self.host, self.port)
 
     def __post_init__(self) -> None:
         checks = [("port", 0 <= self.port < 65536), ("max_model_len", self.max_model_len >= 2),

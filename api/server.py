@@ -11,10 +11,12 @@ compare), request body size limit (413), and request metrics (status, latency).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -82,7 +84,8 @@ class Gate:
             self._count(path, start, error.status)
 
     def _count(self, path: str, start: float, status: int) -> None:
-        self.metrics.e2e.observe(time.monotonic() - start)
+        if status < 400:  # served: a refusal's few ms would pull the latencies down (vLLM
+            self.metrics.e2e.observe(time.monotonic() - start)  # times finished requests)
         self.metrics.requests.labels(endpoint=path, status=str(status)).inc()
 
     def _authorized(self, scope: dict) -> bool:
@@ -200,8 +203,7 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any
         await client.start()
         app.state.tapserve = AppState(config, tokenizer, client, metrics)
         watchdog = asyncio.create_task(_watchdog(config, client))
-        log.info("tapserve API listening on http://%s:%d (model %s)", config.host, config.port,
-                 config.served_model_name)
+        log.info("tapserve API listening on %s (model %s)", config.url, config.served_model_name)
         try:
             yield
         finally:
@@ -243,10 +245,25 @@ def main(argv: list[str] | None = None) -> None:
     config = ApiConfig.from_argv(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sockets = None
+    if config.port == 0:  # bound here, so that the log names the port the kernel picked
+        sockets = [_listening_socket(config.host)]
+        config = dataclasses.replace(config, port=sockets[0].getsockname()[1])
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                access_log=config.log_requests,
-                timeout_graceful_shutdown=config.graceful_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.log_requests, timeout_graceful_shutdown=config.graceful_timeout_s))
+    server.run(sockets=sockets)
+
+
+def _listening_socket(host: str) -> socket.socket:
+    """A TCP socket bound to host on a port of the kernel's choice (as uvicorn binds one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    return sock
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: choose from {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}: choose from {['auto', *sorted(DTYPES)]}")
     return DTYPES[name]
 
 

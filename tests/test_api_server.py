@@ -458,5 +458,11 @@ def test_token_latencies_per_choice_and_refusals_counted(server, http):
     assert ttfts == 4 and 100 <= gaps <= 4 * 29, (ttfts, gaps)  # (merged deltas: fewer gaps)
     refused = 'tapserve_requests_total{endpoint="/v1/completions",status="401"}'
     count = _labelled(server, refused)
+    e2e = "tapserve_e2e_request_latency_seconds_count"
+    served = metric(server, e2e)
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert http.post("/v1/completions", json={"prompt": "x", "n": 0}).status_code == 400
     assert _labelled(server, refused) == count + 1
+    assert metric(server, e2e) == served  # refusals are not served requests' latencies
+    http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).raise_for_status()
+    assert metric(server, e2e) == served + 1

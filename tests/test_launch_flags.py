@@ -49,6 +49,9 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--kv-cache-memory", "nan"], None, "kv_cache_memory must be a positive number"),
     (["--device", "foo"], None, "device must be cpu, cuda or cuda:N"),
     (["--port", "70000"], None, "--port must be in [0, 65535]"),
+    # found by an outside tester of the 20th session (advice to start 0 ranks; auto unnamed)
+    (["--tp", "0"], None, "--tp must be at least 1"),
+    (["--dtype", "foo"], None, "choose from ['auto', "),
     (["--shutdown-timeout", "-1"], None, "--shutdown-timeout must be >= 0"),
     # found by an outside tester (tracebacks after the model loaded)
     (["--num-kv-blocks", "0"], None, "num_kv_blocks must be >= 1"),
@@ -208,3 +211,29 @@ def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
         assert proc.returncode != 0 and proc.stderr.count(message) == 1, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "launch.py --nproc-per-node 1" in proc.stderr
+
+
+def test_port_0_logs_the_port_the_server_got():
+    """--port 0 takes a port of the kernel's choice, and the API process's log names it (an
+    outside tester: the log said http://127.0.0.1:0); an IPv6 host is written in brackets."""
+    import re
+    import signal
+
+    from api.config import http_url
+    from tests.api_helpers import wait_healthy
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    proc = subprocess.Popen([sys.executable, "launch.py", "--device", "cpu", "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:  # (the API process logs to the same stream)
+            found = re.search(r"API listening on (http://127\.0\.0\.1:(\d+))", line)
+            if found:
+                break
+        assert found and int(found[2]) != 0
+        assert wait_healthy(found[1], proc, 120) == "healthy"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out[-2000:]
