@@ -36,8 +36,10 @@ def _hf_greedy(path, prompts, new_tokens, dtype):
     outs = []
     for p in prompts:
         ids = torch.tensor([p], device="cuda")
-        gen = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        # (an explicit attention mask: else a prompt token equal to pad_token_id is masked)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
         outs.append(gen[0, len(p):].tolist())
     return outs
 
