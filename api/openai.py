@@ -215,6 +215,7 @@ def build_router() -> APIRouter:
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await state.prepare(request, lambda: _chat_prompt(state, body))
+        request.state.max_tokens_param = body.max_tokens_param  # how engine errors name it
         params = _params(state, body, body.requested_max_tokens, len(ids), body.logprobs,
                          body.top_logprobs or 0, body.max_tokens_param)
         generation = await state.start(request, "chatcmpl", [(ids, params)],

@@ -63,16 +63,16 @@ async def race_disconnect(request: Request, awaitable: Awaitable) -> Any:
     raise ClientGone()
 
 
-# the engine's names of request fields, as the OpenAI endpoints spell them
-_OPENAI_FIELDS = {"max_new_tokens": "max_tokens"}
-
-
-def _api_error(e: EngineError, path: str) -> ApiError:
-    """The answer for an engine error, its field named as the path's requests name it."""
-    param = e.param
+def _api_error(e: EngineError, request: Request) -> ApiError:
+    """The answer for an engine error, its field named as the request named it: an OpenAI
+    route's max_tokens (or max_completion_tokens, which a chat route notes in request.state)
+    for the engine's max_new_tokens, a chat's messages for its prompt."""
+    param, path = e.param, request.url.path
     if param is not None and is_openai_path(path):
         chat = path.endswith("/chat/completions")
-        param = "messages" if chat and param == "prompt" else _OPENAI_FIELDS.get(param, param)
+        names = {"max_new_tokens": getattr(request.state, "max_tokens_param", "max_tokens"),
+                 "prompt": "messages" if chat else "prompt"}
+        param = names.get(param, param)
     return ApiError(e.code, e.message, param)
 
 
@@ -195,7 +195,7 @@ class AppState:
             await (race_disconnect(request, waiting) if watch else waiting)
         except EngineError as e:
             generation.group.abort()
-            raise _api_error(e, request.url.path) from None
+            raise _api_error(e, request) from None
         except BaseException:
             generation.group.abort()
             raise
@@ -217,7 +217,7 @@ class AppState:
         try:
             await (race_disconnect(request, drain()) if watch else drain())
         except EngineError as e:
-            raise _api_error(e, request.url.path) from None
+            raise _api_error(e, request) from None
         finally:
             generation.group.abort()
             self.log_done(generation)
@@ -233,7 +233,7 @@ class AppState:
                 async for event in events():
                     yield event
             except EngineError as e:
-                yield sse_error_event(_api_error(e, path), path)
+                yield sse_error_event(_api_error(e, request), path)
             except Exception as e:  # a bug of ours: the client still gets a last event
                 log.exception("stream of %s failed", path)
                 yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)

@@ -420,6 +420,9 @@ def test_engine_refusals_name_the_field(client, model):
         ("chat.completions", {"messages": USER, "max_tokens": 0,
                               "extra_body": {"custom_output_params": {"position": -1}}},
          "max_tokens"),
+        ("chat.completions", {"messages": USER, "max_completion_tokens": 0,  # (a reviewer)
+                              "extra_body": {"custom_output_params": {"position": -1}}},
+         "max_completion_tokens"),
     ]
     for api, kwargs, param in cases:
         create = client.completions.create if api == "completions" else \

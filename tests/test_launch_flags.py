@@ -51,6 +51,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--port", "70000"], None, "--port must be in [0, 65535]"),
     # found by an outside tester of the 20th session (advice to start 0 ranks; auto unnamed)
     (["--tp", "0"], None, "--tp must be at least 1"),
+    ([], {"TAPSERVE_API_KEY": "\udcff\udcfe"}, "is not valid UTF-8"),  # bytes ff fe
     (["--dtype", "foo"], None, "choose from ['auto', "),
     (["--shutdown-timeout", "-1"], None, "--shutdown-timeout must be >= 0"),
     # found by an outside tester (tracebacks after the model loaded)
@@ -226,6 +227,7 @@ def test_port_0_logs_the_port_the_server_got():
     proc = subprocess.Popen([sys.executable, "launch.py", "--device", "cpu", "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    found = None
     try:
         for line in proc.stdout:  # (the API process logs to the same stream)
             found = re.search(r"API listening on (http://127\.0\.0\.1:(\d+))", line)
