@@ -18,7 +18,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
 def test_sigterm_drains_in_flight_and_answers_503(server, http):
-    body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    # 8 choices of 2,000 tokens: more than the 2 s drain can finish on an idle fast machine
+    # (one choice of 1,500 tokens sometimes finished, and the stream ended on [DONE])
+    body = {"prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True, "stream": True}
     short = {"prompt": PROMPT, "max_tokens": 1}
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
