@@ -23,7 +23,7 @@ import tempfile
 import traceback
 
 from api.config import http_url
-from api.tokenizer import names_a_file
+from api.tokenizer import UnencodableTextError, check_unicode, names_a_file
 from coordinator.config import EngineConfig
 from coordinator.custom_outputs import RequestError
 from model.custom_output import HandlerLoadError, names_a_module_file
@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     absolute_paths(args)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.api_key is not None and not _is_utf8(args.api_key):
+    try:
+        check_unicode(args.api_key or "")
+    except UnencodableTextError:
         p.error("--api-key (or $TAPSERVE_API_KEY) is not valid UTF-8")
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
@@ -98,15 +100,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.shutdown_timeout >= 0:  # (NaN too)
         p.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return args
-
-
-def _is_utf8(text: str) -> bool:
-    """text came from valid UTF-8 (argv and the environment keep bad bytes as surrogates)."""
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def absolute_paths(args: argparse.Namespace) -> None:

@@ -55,7 +55,9 @@ class UnencodableTextError(ValueError):
     "\\ud800" lets into a Python string (a 400 for the client)."""
 
 
-def _check_unicode(text: str) -> None:
+def check_unicode(text: str) -> None:
+    """UnencodableTextError for text holding a lone surrogate (from a JSON escape, or bytes
+    that were not UTF-8 in argv or the environment)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -221,7 +223,7 @@ class TextTokenizer:
         try:
             return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # what `tokenizers` raises for a lone surrogate
-            _check_unicode(text)
+            check_unicode(text)
             raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
