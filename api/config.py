@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coordinator.sampling_params import MODEL_DEFAULT_FIELDS
 
-_KEY_FILE = "api_key"
+KEY_FILE = "api_key"
 
 
 def http_url(host: str, port: int) -> str:
@@ -110,7 +110,7 @@ class ApiConfig:
 
     def _write_key_file(self, key: str) -> str:
         os.makedirs(self.ipc_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.ipc_dir, _KEY_FILE)
+        path = os.path.join(self.ipc_dir, KEY_FILE)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(key)

@@ -1,7 +1,7 @@
 """The API process's ZeroMQ client of the rank-0 coordinator.
 
 Two sockets, both connected (the coordinator binds them in its private 0700 temp dir):
-PUSH -> `ipc://{ipc_dir}/to_engine` (AddRequest, AbortRequest) and
+PUSH -> `ipc://{ipc_dir}/to_engine` (AddRequest, AbortRequest, DrainRequest) and
 PULL <- `ipc://{ipc_dir}/from_engine` (Outputs, EngineStats, Shutdown).
 One asyncio task reads from_engine and routes each RequestOutput to its request's asyncio
 queue; sends never block (unbounded send queue), so the coordinator never waits on the API.
@@ -126,9 +126,11 @@ class EngineClient:
     """Connects to the coordinator; one reader task; per-request routing."""
 
     def __init__(self, ipc_dir: str, on_stats: Callable[[wire.EngineStats], None] = lambda s: None,
-                 on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None):
+                 on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None,
+                 on_stopped: Callable[[], None] = lambda: None):
+        """on_stopped: called once the engine says it has stopped (wire.Shutdown, stopped)."""
         self.ipc_dir = ipc_dir
-        self.on_stats, self.on_outputs = on_stats, on_outputs
+        self.on_stats, self.on_outputs, self.on_stopped = on_stats, on_outputs, on_stopped
         self._ctx = zmq.asyncio.Context()
         self._push = zmq.Context.shadow(self._ctx).socket(zmq.PUSH)  # sync: sends never await
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -143,11 +145,12 @@ class EngineClient:
         self.stats = wire.EngineStats()
         self.last_message_time: float | None = None
         self.shutting_down = False
+        self.engine_stopped = False  # the engine said it has stopped
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        self._push.connect(f"ipc://{os.path.join(self.ipc_dir, 'to_engine')}")
-        self._pull.connect(f"ipc://{os.path.join(self.ipc_dir, 'from_engine')}")
+        self._push.connect(f"ipc://{os.path.join(self.ipc_dir, wire.TO_ENGINE)}")
+        self._pull.connect(f"ipc://{os.path.join(self.ipc_dir, wire.FROM_ENGINE)}")
         self._reader = asyncio.create_task(self._read_loop(), name="engine-reader")
 
     async def close(self) -> None:
@@ -200,6 +203,10 @@ class EngineClient:
             self._push.send(data, zmq.NOBLOCK)
         return group
 
+    def request_drain(self, signum: int) -> None:
+        """Ask the coordinator to drain, as a signal to rank 0 would."""
+        self._push.send(wire.encode(wire.DrainRequest(signum)), zmq.NOBLOCK)
+
     def abort(self, request_id: str) -> None:
         if request_id in self._routes:
             self._push.send(wire.encode(wire.AbortRequest(request_id)), zmq.NOBLOCK)
@@ -243,3 +250,5 @@ class EngineClient:
             self.shutting_down = True
             if message.stopped:  # after a drain nothing waits; after a failure, answer now
                 self.fail_all(EngineError(ENGINE_DOWN, f"the engine stopped ({message.reason})"))
+                self.engine_stopped = True
+                self.on_stopped()

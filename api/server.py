@@ -15,20 +15,21 @@ import dataclasses
 import hmac
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import native, openai
 from api.config import ApiConfig
-from api.engine_client import ENGINE_DOWN, EngineClient, EngineError
+from api.engine_client import EngineClient
 from api.errors import ApiError, error_body, install_handlers
+from api.lifecycle import Lifecycle, Server, watchdog
 from api.metrics import CONTENT_TYPE, ApiMetrics
 from api.state import AppState, ClientGone
 from api.tokenizer import TextTokenizer
@@ -172,27 +173,12 @@ async def _never() -> dict:
     return {"type": "http.disconnect"}
 
 
-async def _watchdog(config: ApiConfig, client: EngineClient) -> None:
-    """Exit with the parent (`parent_pid`, default: the process that started this one);
-    fail in-flight requests when the engine stays silent."""
-    parent = config.parent_pid or os.getppid()
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != parent:
-            log.error("parent process %d is gone; stopping", parent)
-            client.shutting_down = True  # a request arriving from now on gets the 503 at once
-            client.fail_all(EngineError(ENGINE_DOWN, "the engine is gone"))  # answer them now
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        last = client.last_message_time
-        if client.num_in_flight and last is not None \
-                and time.monotonic() - last > config.engine_timeout_s:
-            client.fail_all(EngineError(ENGINE_DOWN, "the engine stopped answering"))
-
-
-def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any:
-    """Build the ASGI app (FastAPI wrapped in the Gate) for one API process."""
+def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None,
+               lifecycle: Lifecycle | None = None) -> Any:
+    """Build the ASGI app (FastAPI wrapped in the Gate) for one API process. lifecycle: how
+    the process ends (api/lifecycle.py; main's server stops when it says so)."""
     tokenizer = tokenizer or TextTokenizer.from_dir(config.tokenizer, config.chat_template)
+    lifecycle = lifecycle or Lifecycle(config.parent_pid or os.getppid())
     holder: dict[str, EngineClient] = {}
     metrics = ApiMetrics(lambda: holder["client"].stats)
 
@@ -202,12 +188,14 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any
         holder["client"] = client
         await client.start()
         app.state.tapserve = AppState(config, tokenizer, client, metrics)
-        watchdog = asyncio.create_task(_watchdog(config, client))
+        lifecycle.attach(client)
+        guard = asyncio.create_task(watchdog(config, client, lifecycle))
         log.info("tapserve API listening on %s (model %s)", config.url, config.served_model_name)
         try:
             yield
         finally:
-            watchdog.cancel()
+            lifecycle.detach()
+            guard.cancel()
             await client.close()
 
     app = FastAPI(title="tapserve", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -240,8 +228,6 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None) -> Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     config = ApiConfig.from_argv(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -249,10 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     if config.port == 0:  # bound here, so that the log names the port the kernel picked
         sockets = [_listening_socket(config.host)]
         config = dataclasses.replace(config, port=sockets[0].getsockname()[1])
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(
+    lifecycle = Lifecycle(config.parent_pid or os.getppid())
+    app = create_app(config, lifecycle=lifecycle)
+    server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.log_requests, timeout_graceful_shutdown=config.graceful_timeout_s))
+        access_log=config.log_requests, timeout_graceful_shutdown=config.graceful_timeout_s),
+        lifecycle)
     server.run(sockets=sockets)
 
 

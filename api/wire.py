@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import msgpack
 
 PROTOCOL_VERSION = 1
+# the two ipc sockets in the coordinator's private dir (ApiConfig.ipc_dir), named from rank 0
+TO_ENGINE, FROM_ENGINE = "to_engine", "from_engine"
 
 # error codes (DESIGN.md "Errors")
 INVALID_PARAMS = 605
@@ -34,6 +36,14 @@ class AbortRequest:
     """API -> coordinator: drop a request (client went away, or a stop string matched)."""
     request_id: str
     TYPE = "abort"
+
+
+@dataclass
+class DrainRequest:
+    """API -> coordinator: the API process itself got SIGTERM or SIGINT (systemd's default
+    KillMode signals every process of a unit): drain as on a signal to rank 0."""
+    signal: int
+    TYPE = "drain"
 
 
 @dataclass
@@ -119,7 +129,8 @@ class Shutdown:
     TYPE = "shutdown"
 
 
-_MESSAGE_TYPES = {cls.TYPE: cls for cls in (AddRequest, AbortRequest, Outputs, EngineStats, Shutdown)}
+_MESSAGE_TYPES = {cls.TYPE: cls for cls in (AddRequest, AbortRequest, DrainRequest, Outputs,
+                                            EngineStats, Shutdown)}
 
 
 def encode(message: Any) -> bytes:

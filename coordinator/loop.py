@@ -3,7 +3,9 @@
 Never blocks on the API: incoming messages are drained without waiting while there is work,
 and with a 50 ms poll when idle. While idle a heartbeat plan goes out every second so the
 other ranks' collectives never time out. SIGTERM/SIGINT start a drain: new requests get 503,
-in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an error answer.
+in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an error answer. A
+signal sent to the API process itself arrives as a wire.DrainRequest and counts the same; the
+API process stops when the final wire.Shutdown tells it the engine has stopped.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ FAILED_STOP_SECONDS = 5.0  # the stop plan's bound after a failure (a peer may h
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
 REPEAT_SIGNAL_SECONDS = 1.0  # under a launcher: a signal this long after the first ends the drain
+# for the API process to stop on the engine's final Shutdown (uvicorn's graceful 5 s and more)
+API_EXIT_SECONDS = 10.0
 
 
 @dataclass
@@ -50,9 +54,9 @@ class CoordinatorLoop:
         self.api_process = api_process
         self.zmq = zmq.Context()
         self.incoming = self.zmq.socket(zmq.PULL)
-        self.incoming.bind(f"ipc://{settings.ipc_dir}/to_engine")
+        self.incoming.bind(f"ipc://{settings.ipc_dir}/{wire.TO_ENGINE}")
         self.outgoing = self.zmq.socket(zmq.PUSH)
-        self.outgoing.bind(f"ipc://{settings.ipc_dir}/from_engine")
+        self.outgoing.bind(f"ipc://{settings.ipc_dir}/{wire.FROM_ENGINE}")
         self.stop_requested_at: float | None = None
         self._stop_now = False  # a second signal: the drain ends at the next check
         self._drain_announced = False
@@ -63,13 +67,14 @@ class CoordinatorLoop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame, gap: float | None = None) -> None:
         now = time.monotonic()
+        gap = self._repeat_gap() if gap is None else gap
         if self.stop_requested_at is None:
             log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
                      self.settings.shutdown_timeout)
             self.stop_requested_at = now  # the loop announces it (not re-entrant here)
-        elif now - self.stop_requested_at >= self._repeat_gap() and not self._stop_now:
+        elif now - self.stop_requested_at >= gap and not self._stop_now:
             log.info("signal %s again: stopping now", signum)
             self._stop_now = True
 
@@ -124,6 +129,12 @@ class CoordinatorLoop:
     def _handle(self, msg) -> None:
         if isinstance(msg, wire.AbortRequest):
             self.engine.abort_request(msg.request_id)
+            return
+        if isinstance(msg, wire.DrainRequest):  # the API process got the signal itself
+            log.info("the API process got signal %s", msg.signal)
+            # it may come with rank 0's own signal (systemd signals every process of a
+            # unit): only a later one counts as a second signal, even without a launcher
+            self._on_signal(msg.signal, None, gap=max(REPEAT_SIGNAL_SECONDS, self._repeat_gap()))
             return
         if not isinstance(msg, wire.AddRequest):
             return
@@ -217,10 +228,11 @@ class CoordinatorLoop:
             except RuntimeError:
                 pass  # a peer is already gone, or hangs
         if self.api_process is not None and self.api_process.poll() is None:
-            self.api_process.terminate()  # uvicorn finishes the responses it has data for
-            try:
-                self.api_process.wait(10)
+            try:  # the Shutdown above stops it: it finishes the responses it has data for
+                self.api_process.wait(API_EXIT_SECONDS)
             except subprocess.TimeoutExpired:
+                log.warning("the API process did not stop within %.0f s; killing it",
+                            API_EXIT_SECONDS)
                 self.api_process.kill()
         self.incoming.close(0)
         self.zmq.term()

@@ -203,7 +203,8 @@ def test_a_request_larger_than_the_queue_is_605_not_503(http, model):
 def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
     """The API process runs in a session of its own; it watches rank 0 by the pid rank 0
     gives it (not its own getppid(), which may already be 1), and when rank 0 is killed it
-    ends the open streams with the 503 envelope before it stops."""
+    ends the open streams with the 503 envelope before it stops, and removes rank 0's ipc
+    dir (it was left behind)."""
     import os
     import signal
 
@@ -214,6 +215,7 @@ def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
         api = next(pid for pid in descendants(server.proc.pid) if "api.server" in cmdline(pid))
         argv = cmdline(api)
         assert argv[argv.index("--parent-pid") + 1] == str(server.proc.pid)
+        ipc_dir = argv[argv.index("--ipc-dir") + 1]
         body = {"model": "tapserve-demo", "prompt": PROMPT, "max_tokens": 1500,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body,
@@ -224,6 +226,7 @@ def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
             events = [line[6:] for line in lines if line.startswith("data: ")]
         assert '"503_SERVICE_UNAVAILABLE"' in events[-1], events[-2:]
         assert wait_for(lambda: not os.path.exists(f"/proc/{api}"), 15)
+        assert not os.path.exists(ipc_dir), os.listdir(ipc_dir)  # rank 0 could not remove it
     finally:
         server.stop()
 

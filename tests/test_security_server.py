@@ -143,6 +143,7 @@ def test_wire_and_plan_codecs_never_pickle(monkeypatch):
     messages = [
         wire.AddRequest("r1", [1, 2, 3], {"max_new_tokens": 3}, {"position": 1}),
         wire.AbortRequest("r1"),
+        wire.DrainRequest(15),
         wire.Outputs([wire.RequestOutput("r1", sequences=[wire.SequenceOutput(
             index=0, new_token_ids=[5], finish_reason="length")], finished=True,
             custom_output=value)]),
