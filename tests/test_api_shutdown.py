@@ -3,6 +3,7 @@ requests drain (bounded by the timeout), new ones get 503, an unfinished stream 
 error event, and launch.py exits 0. The pool starts a fresh server for any later test."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -61,11 +62,24 @@ def test_a_second_signal_ends_the_drain_at_once():
         server.stop()
 
 
-def _api_and_stream(server, http):
-    """The API process's pid and an open stream that the drain cannot finish."""
+@contextlib.contextmanager
+def _open_stream(*server_args: str):
+    """A fresh server with one stream open that no drain can finish (its first event read):
+    yields the server, an HTTP client, the API process's pid and the stream's lines."""
+    import httpx
+
+    from tests.api_helpers import LiveServer
     from tests.proc_helpers import api_pid
+    server = LiveServer(*server_args)
     body = {"prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True, "stream": True}
-    return api_pid(server.proc.pid), http.stream("POST", "/v1/completions", json=body)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http, \
+                http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            yield server, http, api_pid(server.proc.pid), lines
+    finally:
+        server.stop()
 
 
 def test_sigterm_to_the_api_process_drains_as_one_to_the_launcher():
@@ -74,58 +88,38 @@ def test_sigterm_to_the_api_process_drains_as_one_to_the_launcher():
     past uvicorn's own 5 s), the stream runs until --shutdown-timeout and ends with the error
     event, and launch.py exits 0 (it used to be uvicorn's shutdown: new connections refused,
     the stream cut after 5 s, and rank 0 exiting 1 on the API process's exit)."""
-    from tests.api_helpers import LiveServer
-    server = LiveServer("--shutdown-timeout", "7")
-    try:
-        import httpx
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            api, stream = _api_and_stream(server, http)
-            with stream as r:
-                lines = r.iter_lines()
-                next(lines)
-                os.kill(api, signal.SIGTERM)
-                start = time.monotonic()
-                time.sleep(5.5)
-                short = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
-                rest = [line[6:] for line in lines if line.startswith("data: ")]
-                ended = time.monotonic() - start
+    with _open_stream("--shutdown-timeout", "7") as (server, http, api, lines):
+        os.kill(api, signal.SIGTERM)
+        start = time.monotonic()
+        time.sleep(5.5)
+        short = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+        ended = time.monotonic() - start
         assert short.status_code == 503, short.text
         assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
         assert 6 < ended < 20, ended  # the drain's 7 s, not uvicorn's 5
         assert server.proc.wait(30) == 0, server.log_tail()
         assert "the API process got signal 15" in server.log_tail()
-    finally:
-        server.stop()
 
 
 def test_sigterm_to_every_process_at_once_is_one_signal():
     """The launcher and the API process signalled together (systemd, again): one drain, not a
     signal and its repeat; a later SIGTERM to the API process ends the drain at once."""
-    from tests.api_helpers import LiveServer
-    server = LiveServer("--shutdown-timeout", "120")
-    try:
-        import httpx
-        with httpx.Client(base_url=server.url, timeout=60) as http:
-            api, stream = _api_and_stream(server, http)
-            with stream as r:
-                lines = r.iter_lines()
-                next(lines)
-                server.proc.send_signal(signal.SIGTERM)
-                os.kill(api, signal.SIGTERM)
-                start, events_late = time.monotonic(), 0
-                for line in lines:
-                    if not line.startswith("data: "):
-                        continue
-                    if time.monotonic() - start > 2:
-                        events_late += 1
-                        if events_late == 1:  # still streaming after 2 s: a drain
-                            os.kill(api, signal.SIGTERM)
-                    last = line
-                stopped = time.monotonic() - start
+    with _open_stream("--shutdown-timeout", "120") as (server, http, api, lines):
+        server.proc.send_signal(signal.SIGTERM)
+        os.kill(api, signal.SIGTERM)
+        start, events_late = time.monotonic(), 0
+        for line in lines:
+            if not line.startswith("data: "):
+                continue
+            if time.monotonic() - start > 2:
+                events_late += 1
+                if events_late == 1:  # still streaming after 2 s: a drain
+                    os.kill(api, signal.SIGTERM)
+            last = line
+        stopped = time.monotonic() - start
         assert events_late > 1, server.log_tail()
         assert json.loads(last[6:])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
         assert stopped < 30, stopped
         assert server.proc.wait(30) == 0, server.log_tail()
         assert server.log_tail(20000).count("again: stopping now") == 1, server.log_tail()
-    finally:
-        server.stop()
