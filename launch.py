@@ -240,9 +240,9 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             model_vocab_size=engine.runner.model_cfg.vocab_size,
             log_requests=args.log_requests,
             parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
-        # a session of its own: torchrun stops a worker with killpg, and the API process must
-        # not take that SIGTERM itself (uvicorn would close its socket and cut the streams
-        # that the drain lets finish); rank 0 stops it, and it exits with rank 0
+        # a session of its own: torchrun stops a worker with killpg, and that SIGTERM is
+        # rank 0's (one drain); a signal sent to the API process itself is handed to rank 0
+        # (api/lifecycle.py). Rank 0 stops it at the end, with its final wire message
         loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],
                                             cwd=os.path.dirname(os.path.abspath(__file__)),
                                             start_new_session=True)

@@ -6,7 +6,10 @@ on a signal (it finishes the responses it has data for). A SIGTERM or SIGINT sen
 process itself (systemd's default `KillMode=control-group` signals every process of a unit)
 is handed to rank 0 as a drain request while the engine runs, so that requests in flight
 finish within `--shutdown-timeout` here too; rank 0 counts it as it counts its own signals.
-Once the engine has stopped, or its parent (rank 0) is gone, a signal stops serving at once.
+One that comes while this process starts is handed on once it has connected. A signal stops
+serving at once when the engine has stopped, its parent (rank 0) is gone, or it is a repeat
+and the engine has been silent for ENGINE_SILENT_SECONDS (a wedged rank 0 cannot hold this
+process: a further SIGINT then forces the exit, as uvicorn's second Ctrl-C).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from api.config import KEY_FILE, ApiConfig
 from api.engine_client import ENGINE_DOWN, EngineClient, EngineError
 
 log = logging.getLogger("tapserve.api")
+ENGINE_SILENT_SECONDS = 3.0  # rank 0 sends stats every second, while it drains too
 
 
 class Lifecycle:
@@ -37,22 +41,41 @@ class Lifecycle:
         self.stop_serving: Callable[[], None] = lambda: None  # set by the server: ends serving
         self._client: EngineClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: int | None = None  # a signal that came before attach
+        self._first_signal_at: float | None = None
+        self._detached = False
 
     def attach(self, client: EngineClient) -> None:
-        """Called in the app's lifespan, on the event loop: from now on signals go to rank 0
-        while the engine runs."""
+        """Called in the app's lifespan, on the event loop, once the client has connected:
+        from now on signals go to rank 0 while the engine runs."""
         self._client, self._loop = client, asyncio.get_running_loop()
         client.on_stopped = lambda: self.stop_serving()
+        if self._pending is not None:
+            log.info("signal %d came while starting: asking the engine to drain", self._pending)
+            self._request_drain(client, self._pending)
 
     def detach(self) -> None:
         self._client = self._loop = None
+        self._detached = True
 
     def hand_to_engine(self, signum: int) -> bool:
-        """Runs in the signal handler: ask rank 0 to drain (True), unless the engine has
-        stopped, never spoke, or its parent is gone (False: stop serving)."""
-        client, loop = self._client, self._loop
-        if client is None or loop is None or loop.is_closed() or client.engine_stopped \
-                or client.last_message_time is None or os.getppid() != self.parent_pid:
+        """Runs in the signal handler: ask rank 0 to drain (True: serving goes on until it
+        says it has stopped), or False: stop serving now (see the module's docstring)."""
+        client, loop, now = self._client, self._loop, time.monotonic()
+        repeat = self._first_signal_at is not None
+        if not repeat:
+            self._first_signal_at = now
+        if self._detached or os.getppid() != self.parent_pid:
+            return False
+        if client is None or loop is None:  # starting: handed on at attach
+            self._pending = signum
+            return True
+        if loop.is_closed() or client.engine_stopped:
+            return False
+        heard = max(client.last_message_time or 0.0, self._first_signal_at)
+        if repeat and now - heard >= ENGINE_SILENT_SECONDS:
+            log.error("signal %d: the engine has been silent for %.0f s or more; stopping",
+                      signum, ENGINE_SILENT_SECONDS)
             return False
         log.info("signal %d: asking the engine to drain (it stops this process when done)",
                  signum)

@@ -32,7 +32,7 @@ STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes
 FAILED_STOP_SECONDS = 5.0  # the stop plan's bound after a failure (a peer may hang in it)
 STATS_SECONDS = 1.0
 SHUTTING_DOWN = 503
-REPEAT_SIGNAL_SECONDS = 1.0  # under a launcher: a signal this long after the first ends the drain
+REPEAT_SIGNAL_SECONDS = 1.0  # see CoordinatorLoop._repeat_gap
 # for the API process to stop on the engine's final Shutdown (uvicorn's graceful 5 s and more)
 API_EXIT_SECONDS = 10.0
 
@@ -59,6 +59,7 @@ class CoordinatorLoop:
         self.outgoing.bind(f"ipc://{settings.ipc_dir}/{wire.FROM_ENGINE}")
         self.stop_requested_at: float | None = None
         self._stop_now = False  # a second signal: the drain ends at the next check
+        self._first_signal_from_api = False
         self._drain_announced = False
         self._unsent: deque[bytes] = deque()  # kept in order while the API cannot take them
         self._last_stats = time.monotonic()
@@ -67,22 +68,24 @@ class CoordinatorLoop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame, gap: float | None = None) -> None:
+    def _on_signal(self, signum, frame, from_api: bool = False) -> None:
         now = time.monotonic()
-        gap = self._repeat_gap() if gap is None else gap
         if self.stop_requested_at is None:
             log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
                      self.settings.shutdown_timeout)
             self.stop_requested_at = now  # the loop announces it (not re-entrant here)
-        elif now - self.stop_requested_at >= gap and not self._stop_now:
+            self._first_signal_from_api = from_api
+        elif now - self.stop_requested_at >= self._repeat_gap(from_api) and not self._stop_now:
             log.info("signal %s again: stopping now", signum)
             self._stop_now = True
 
-    def _repeat_gap(self) -> float:
+    def _repeat_gap(self, from_api: bool) -> float:
         """How long after the first signal a second one ends the drain at once (a second
-        Ctrl-C, as uvicorn and vLLM). Under a launcher one Ctrl-C may arrive twice (from the
-        terminal and forwarded by the launcher): only a later one counts there."""
-        return REPEAT_SIGNAL_SECONDS if self.settings.launcher_pid is not None else 0.0
+        Ctrl-C, as uvicorn and vLLM). One signal may arrive twice: from the terminal and
+        forwarded by a launcher, or sent to every process of a systemd unit, the API process
+        (whose signal comes as a DrainRequest) among them; only a later one counts there."""
+        twice = self.settings.launcher_pid is not None or from_api or self._first_signal_from_api
+        return REPEAT_SIGNAL_SECONDS if twice else 0.0
 
     def run(self) -> int:
         """Serve until a signal's drain completes (returns 0) or the API process dies (1);
@@ -100,8 +103,7 @@ class CoordinatorLoop:
     def _serve(self) -> int:
         while True:
             if self.api_process is not None and self.api_process.poll() is not None:
-                log.error("API process exited with %s; stopping", self.api_process.returncode)
-                return 1
+                return self._api_exited(self.api_process.returncode)
             if self.settings.launcher_pid is not None \
                     and os.getppid() != self.settings.launcher_pid:
                 log.error("the launcher (pid %d) is gone; stopping", self.settings.launcher_pid)
@@ -114,6 +116,16 @@ class CoordinatorLoop:
             if self.engine.has_work():
                 self._send_outputs(self.engine.step())
             self._tick()
+
+    @staticmethod
+    def _api_exited(code: int) -> int:
+        """0 if a SIGTERM or SIGINT ended the API process before it could hand the signal on
+        (it takes them from uvicorn's start on): that was a request to stop; 1 otherwise."""
+        if code in (-signal.SIGTERM, -signal.SIGINT):
+            log.info("the API process was stopped by signal %d while starting; stopping", -code)
+            return 0
+        log.error("API process exited with %s; stopping", code)
+        return 1
 
     # ---- messages --------------------------------------------------------------------------
     def _receive(self, block: bool) -> None:
@@ -134,7 +146,7 @@ class CoordinatorLoop:
             log.info("the API process got signal %s", msg.signal)
             # it may come with rank 0's own signal (systemd signals every process of a
             # unit): only a later one counts as a second signal, even without a launcher
-            self._on_signal(msg.signal, None, gap=max(REPEAT_SIGNAL_SECONDS, self._repeat_gap()))
+            self._on_signal(msg.signal, None, from_api=True)
             return
         if not isinstance(msg, wire.AddRequest):
             return
@@ -216,7 +228,10 @@ class CoordinatorLoop:
         return True
 
     def _stop(self, plan_timeout_s: float | None = None) -> None:
-        self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True)))
+        if not self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True))) \
+                and self.api_process is not None and self.api_process.poll() is None:
+            log.info("the API process has not connected; stopping it")
+            self.api_process.kill()  # still starting: it serves nothing yet
         if self.channel is not None:
             # a step may be in flight (a failure exit): its collectives should end on every
             # GPU before the stop plan lets the other ranks leave
@@ -237,15 +252,18 @@ class CoordinatorLoop:
         self.incoming.close(0)
         self.zmq.term()
 
-    def _flush_to_api(self, last: bytes, timeout_ms: int = 2000) -> None:
+    def _flush_to_api(self, last: bytes, timeout_ms: int = 2000) -> bool:
         """Hand every pending message (the drain's final answers included) to the API process
-        before it is asked to stop, waiting at most timeout_ms if it is alive."""
+        before it is asked to stop, waiting at most timeout_ms if it is alive. False: the API
+        process took none of them in that time (it has not connected)."""
         self._unsent.append(last)
         alive = self.api_process is None or self.api_process.poll() is None
         self.outgoing.setsockopt(zmq.SNDTIMEO, timeout_ms if alive else 0)
         try:
             while self._unsent:
-                self.outgoing.send(self._unsent.popleft())
+                self.outgoing.send(self._unsent[0])
+                self._unsent.popleft()
         except zmq.Again:
             pass
         self.outgoing.close(linger=timeout_ms if alive else 0)  # delivered, not dropped
+        return not self._unsent

@@ -28,11 +28,15 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from model.custom_output import CustomOutputHandler
+
+if TYPE_CHECKING:
+    import tokenizers
 
 DEMO_VERSION = "demo-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

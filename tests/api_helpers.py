@@ -34,10 +34,10 @@ def free_port() -> int:
 
 class LiveServer:
     """`python launch.py --port P --device DEVICE *args` in its own session; logs to a temp
-    file."""
+    file. Ready (/health answers) when built, unless wait_ready is False."""
 
     def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", wait_ready: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -50,7 +50,8 @@ class LiveServer:
             env["TAPSERVE_API_KEY"] = api_key
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
-        self._wait_ready(startup_timeout)
+        if wait_ready:
+            self._wait_ready(startup_timeout)
 
     @property
     def headers(self) -> dict[str, str]:

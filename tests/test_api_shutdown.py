@@ -123,3 +123,91 @@ def test_sigterm_to_every_process_at_once_is_one_signal():
         assert stopped < 30, stopped
         assert server.proc.wait(30) == 0, server.log_tail()
         assert server.log_tail(20000).count("again: stopping now") == 1, server.log_tail()
+
+
+def test_api_signalled_first_then_the_launcher_is_one_signal():
+    """The same two signals in the other order (the API process's first, launch.py's 0.2 s
+    later, no launcher above rank 0): one drain, not a signal and its repeat."""
+    with _open_stream("--shutdown-timeout", "4") as (server, http, api, lines):
+        os.kill(api, signal.SIGTERM)
+        time.sleep(0.2)
+        server.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+        drained = time.monotonic() - start
+        assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
+        assert server.proc.wait(30) == 0, server.log_tail()
+        assert drained > 3, (drained, server.log_tail())  # the drain's 4 s, not stopped now
+        assert "again: stopping now" not in server.log_tail(20000)
+
+
+def test_a_wedged_rank0_cannot_hold_the_api_process():
+    """Rank 0 stopped (SIGSTOP) never answers the drain request: a repeated SIGTERM, the
+    engine silent for 3 s, stops the API process itself (it used to serve on for ever)."""
+    from tests.api_helpers import LiveServer
+    from tests.proc_helpers import api_pid
+    server = LiveServer()
+    try:
+        api = api_pid(server.proc.pid)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        os.kill(api, signal.SIGTERM)
+        time.sleep(3.5)
+        assert _running(api), "the first signal went to rank 0: the API serves on meanwhile"
+        os.kill(api, signal.SIGTERM)
+        assert wait_for(lambda: not _running(api), 15), server.log_tail()
+        assert "the engine has been silent" in server.log_tail()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie (its parent, stopped, cannot reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _api_starting():
+    """launch.py whose API process has just been spawned (it has not connected yet): yields
+    the server and the API process's pid."""
+    from tests.api_helpers import LiveServer
+    from tests.proc_helpers import api_pid
+    server = LiveServer(wait_ready=False)
+    found: list[int] = []
+
+    def spawned() -> bool:
+        with contextlib.suppress(RuntimeError, OSError):
+            found.append(api_pid(server.proc.pid))
+        return bool(found) or server.proc.poll() is not None
+
+    try:
+        assert wait_for(spawned, 180, interval=0.01) and found, server.log_tail()
+        yield server, found[0]
+    finally:
+        server.stop()
+
+
+def test_a_signal_while_the_api_process_starts_stops_cleanly():
+    """SIGTERM to the API process before it takes signals (its imports): the launcher
+    stops with 0, a stop that was asked for (it was 1, an API failure)."""
+    with _api_starting() as (server, api):
+        os.kill(api, signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log_tail()
+        assert "stopped by signal 15 while starting" in server.log_tail()
+
+
+def test_rank0_stopping_before_the_api_process_connects_does_not_wait_for_it():
+    """Rank 0 stops while its API process has not connected (held here with SIGSTOP): the
+    final Shutdown cannot reach it, so rank 0 stops it after its 2 s flush instead of
+    waiting 10 s for an exit that never comes (and killing it then)."""
+    with _api_starting() as (server, api):
+        os.kill(api, signal.SIGSTOP)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log_tail()
+        assert time.monotonic() - start < 7, server.log_tail()
+        assert "has not connected; stopping it" in server.log_tail()
