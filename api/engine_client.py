@@ -203,9 +203,10 @@ class EngineClient:
             self._push.send(data, zmq.NOBLOCK)
         return group
 
-    def request_drain(self, signum: int) -> None:
-        """Ask the coordinator to drain, as a signal to rank 0 would."""
-        self._push.send(wire.encode(wire.DrainRequest(signum)), zmq.NOBLOCK)
+    def request_drain(self, signum: int, signal_time: float) -> None:
+        """Ask the coordinator to drain, as a signal to rank 0 at signal_time (time.monotonic)
+        would."""
+        self._push.send(wire.encode(wire.DrainRequest(signum, signal_time)), zmq.NOBLOCK)
 
     def abort(self, request_id: str) -> None:
         if request_id in self._routes:

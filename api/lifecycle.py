@@ -6,10 +6,13 @@ on a signal (it finishes the responses it has data for). A SIGTERM or SIGINT sen
 process itself (systemd's default `KillMode=control-group` signals every process of a unit)
 is handed to rank 0 as a drain request while the engine runs, so that requests in flight
 finish within `--shutdown-timeout` here too; rank 0 counts it as it counts its own signals.
-One that comes while this process starts is handed on once it has connected. A signal stops
-serving at once when the engine has stopped, its parent (rank 0) is gone, or it is a repeat
-and the engine has been silent for ENGINE_SILENT_SECONDS (a wedged rank 0 cannot hold this
-process: a further SIGINT then forces the exit, as uvicorn's second Ctrl-C).
+One that comes between uvicorn's start and the client's connecting is handed on then (before
+uvicorn takes the signals, their default action ends the process; rank 0 takes that exit as
+the stop it asked for). A signal stops serving at once when the engine has stopped, or its
+parent (rank 0) is gone, or it is a repeat and the engine has been silent for
+ENGINE_SILENT_SECONDS: a wedged rank 0 cannot hold this process (nor can one in a step that
+long: a repeat asks to stop now anyway). The requests in flight then get their final answer,
+a 503, at once; a further SIGINT forces the exit, as uvicorn's second Ctrl-C.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ class Lifecycle:
         self.stop_serving: Callable[[], None] = lambda: None  # set by the server: ends serving
         self._client: EngineClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: int | None = None  # a signal that came before attach
+        self._pending: tuple[int, float] | None = None  # a signal (and when) before attach
         self._first_signal_at: float | None = None
         self._detached = False
 
@@ -51,8 +54,9 @@ class Lifecycle:
         self._client, self._loop = client, asyncio.get_running_loop()
         client.on_stopped = lambda: self.stop_serving()
         if self._pending is not None:
-            log.info("signal %d came while starting: asking the engine to drain", self._pending)
-            self._request_drain(client, self._pending)
+            log.info("signal %d came while starting: asking the engine to drain",
+                     self._pending[0])
+            self._request_drain(client, *self._pending)
 
     def detach(self) -> None:
         self._client = self._loop = None
@@ -68,7 +72,7 @@ class Lifecycle:
         if self._detached or os.getppid() != self.parent_pid:
             return False
         if client is None or loop is None:  # starting: handed on at attach
-            self._pending = signum
+            self._pending = signum, now
             return True
         if loop.is_closed() or client.engine_stopped:
             return False
@@ -76,18 +80,28 @@ class Lifecycle:
         if repeat and now - heard >= ENGINE_SILENT_SECONDS:
             log.error("signal %d: the engine has been silent for %.0f s or more; stopping",
                       signum, ENGINE_SILENT_SECONDS)
+            loop.call_soon_threadsafe(self._give_up, client, signum, now)
             return False
         log.info("signal %d: asking the engine to drain (it stops this process when done)",
                  signum)
-        loop.call_soon_threadsafe(self._request_drain, client, signum)  # not from a handler
+        loop.call_soon_threadsafe(self._request_drain, client, signum, now)  # not in a handler
         return True
 
-    def _request_drain(self, client: EngineClient, signum: int) -> None:
+    def _request_drain(self, client: EngineClient, signum: int, signal_time: float) -> None:
         try:
-            client.request_drain(signum)
+            client.request_drain(signum, signal_time)
         except zmq.ZMQError as e:
             log.error("cannot reach the engine (%s); stopping", e)
             self.stop_serving()
+
+    def _give_up(self, client: EngineClient, signum: int, signal_time: float) -> None:
+        """Stop without the engine: every request in flight gets its final answer (503) now,
+        and rank 0, if it was only busy, hears the signal when its step ends."""
+        client.shutting_down = True
+        client.fail_all(EngineError(ENGINE_DOWN, "the server stopped: the engine did not "
+                                                 "answer its drain request"))
+        with contextlib.suppress(zmq.ZMQError):
+            client.request_drain(signum, signal_time)
 
 
 class Server(uvicorn.Server):

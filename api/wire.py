@@ -41,8 +41,11 @@ class AbortRequest:
 @dataclass
 class DrainRequest:
     """API -> coordinator: the API process itself got SIGTERM or SIGINT (systemd's default
-    KillMode signals every process of a unit): drain as on a signal to rank 0."""
+    KillMode signals every process of a unit): drain as on a signal to rank 0. signal_time:
+    when it came, on the host's monotonic clock (both processes share it); rank 0 may read
+    the message only after a long step."""
     signal: int
+    signal_time: float = 0.0
     TYPE = "drain"
 
 

@@ -68,8 +68,11 @@ class CoordinatorLoop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame, from_api: bool = False) -> None:
-        now = time.monotonic()
+    def _on_signal(self, signum, frame, from_api: bool = False,
+                   signal_time: float | None = None) -> None:
+        """signal_time: when the signal came (time.monotonic), if not now (the API process's,
+        read after a step): one that came with the first counts as the first."""
+        now = time.monotonic() if signal_time is None else signal_time
         if self.stop_requested_at is None:
             log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
                      self.settings.shutdown_timeout)
@@ -103,6 +106,7 @@ class CoordinatorLoop:
     def _serve(self) -> int:
         while True:
             if self.api_process is not None and self.api_process.poll() is not None:
+                self._receive(block=False)  # a drain request it sent before it went
                 return self._api_exited(self.api_process.returncode)
             if self.settings.launcher_pid is not None \
                     and os.getppid() != self.settings.launcher_pid:
@@ -117,12 +121,15 @@ class CoordinatorLoop:
                 self._send_outputs(self.engine.step())
             self._tick()
 
-    @staticmethod
-    def _api_exited(code: int) -> int:
-        """0 if a SIGTERM or SIGINT ended the API process before it could hand the signal on
-        (it takes them from uvicorn's start on): that was a request to stop; 1 otherwise."""
+    def _api_exited(self, code: int) -> int:
+        """0 if the stop was asked for: the API process ended by a SIGTERM or SIGINT that it
+        could not hand on (before uvicorn takes them, or after), or it stopped by itself (0)
+        during a drain (the engine silent on a repeated signal: api/lifecycle.py); else 1."""
         if code in (-signal.SIGTERM, -signal.SIGINT):
-            log.info("the API process was stopped by signal %d while starting; stopping", -code)
+            log.info("the API process was stopped by signal %d; stopping", -code)
+            return 0
+        if code == 0 and self.stop_requested_at is not None:
+            log.info("the API process stopped during the drain; stopping")
             return 0
         log.error("API process exited with %s; stopping", code)
         return 1
@@ -146,7 +153,9 @@ class CoordinatorLoop:
             log.info("the API process got signal %s", msg.signal)
             # it may come with rank 0's own signal (systemd signals every process of a
             # unit): only a later one counts as a second signal, even without a launcher
-            self._on_signal(msg.signal, None, from_api=True)
+            now = time.monotonic()  # (the message may be read a long step after the signal)
+            self._on_signal(msg.signal, None, from_api=True,
+                            signal_time=min(msg.signal_time or now, now))
             return
         if not isinstance(msg, wire.AddRequest):
             return
