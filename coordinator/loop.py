@@ -106,7 +106,8 @@ class CoordinatorLoop:
     def _serve(self) -> int:
         while True:
             if self.api_process is not None and self.api_process.poll() is not None:
-                self._receive(block=False)  # a drain request it sent before it went
+                if self.incoming.poll(200):  # a drain request it sent before it went (after
+                    self._receive(block=False)  # a freeze, ZeroMQ's I/O thread may lag)
                 return self._api_exited(self.api_process.returncode)
             if self.settings.launcher_pid is not None \
                     and os.getppid() != self.settings.launcher_pid:
