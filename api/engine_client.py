@@ -219,6 +219,12 @@ class EngineClient:
             if self._routes.get(rid) is group:
                 del self._routes[rid]
 
+    def stop_accepting(self, message: str) -> None:
+        """Without the engine: a request arriving from now on gets the 503 at once, and every
+        request in flight gets its final answer now, a 503 with message."""
+        self.shutting_down = True
+        self.fail_all(EngineError(ENGINE_DOWN, message))
+
     def fail_all(self, error: EngineError) -> None:
         for group in {id(g): g for g in self._routes.values()}.values():  # groups are unhashable
             group.queue.put_nowait(error)

@@ -97,9 +97,7 @@ class Lifecycle:
     def _give_up(self, client: EngineClient, signum: int, signal_time: float) -> None:
         """Stop without the engine: every request in flight gets its final answer (503) now,
         and rank 0, if it was only busy, hears the signal when its step ends."""
-        client.shutting_down = True
-        client.fail_all(EngineError(ENGINE_DOWN, "the server stopped: the engine did not "
-                                                 "answer its drain request"))
+        client.stop_accepting("the server stopped: the engine did not answer its drain request")
         with contextlib.suppress(zmq.ZMQError):
             client.request_drain(signum, signal_time)
 
@@ -131,8 +129,7 @@ async def watchdog(config: ApiConfig, client: EngineClient, lifecycle: Lifecycle
         await asyncio.sleep(0.5)
         if os.getppid() != lifecycle.parent_pid:
             log.error("parent process %d is gone; stopping", lifecycle.parent_pid)
-            client.shutting_down = True  # a request arriving from now on gets the 503 at once
-            client.fail_all(EngineError(ENGINE_DOWN, "the engine is gone"))  # answer them now
+            client.stop_accepting("the engine is gone")
             remove_ipc_dir(config.ipc_dir)  # rank 0, which made it, cannot any more
             lifecycle.stop_serving()
             return

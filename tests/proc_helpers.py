@@ -38,6 +38,14 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
 
 
+def exited(pid: int) -> bool:
+    """Gone, or a zombie that its parent has not reaped (a stopped parent cannot)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def api_pid(rank0: int) -> int:
     """The API process (`python -m api.server`) started by rank 0."""
     for pid in children(rank0):

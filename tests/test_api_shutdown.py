@@ -13,6 +13,7 @@ import pytest
 
 pytest.register_assert_rewrite("tests.api_helpers")
 from tests.api_helpers import wait_for  # noqa: E402
+from tests.proc_helpers import exited  # noqa: E402
 
 pytest_plugins = ["tests.api_helpers"]
 
@@ -175,27 +176,18 @@ def test_a_wedged_rank0_cannot_hold_the_api_process():
         try:
             os.kill(api, signal.SIGTERM)
             time.sleep(3.5)
-            assert _running(api), "the first signal went to rank 0: the API serves on"
+            assert not exited(api), "the first signal went to rank 0: the API serves on"
             os.kill(api, signal.SIGTERM)
             start = time.monotonic()
             rest = [line[6:] for line in lines if line.startswith("data: ")]
             assert time.monotonic() - start < 3, "the stream was not answered at once"
             assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
-            assert wait_for(lambda: not _running(api), 15), server.log_tail()
+            assert wait_for(lambda: exited(api), 15), server.log_tail()
             assert "the engine has been silent" in server.log_tail()
         finally:
             os.kill(rank0, signal.SIGCONT)
         assert server.proc.wait(30) == 0, server.log_tail()
         assert "stopped during the drain" in server.log_tail()
-
-
-def _running(pid: int) -> bool:
-    """Neither gone nor a zombie (its parent, stopped, cannot reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import pytest
 from ranks.local_group import STORE_ENV
 from tests.api_helpers import free_port, wait_healthy
 from tests.checkpoints import make_tiny_checkpoint
-from tests.proc_helpers import descendants
+from tests.proc_helpers import descendants, exited
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,13 +236,6 @@ def test_dead_rank_ends_streams_with_an_error_event(tmp_path):
             os.killpg(server.proc.pid, signal.SIGKILL)
 
 
-def _exited(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
-
-
 def test_hung_rank_ends_group_within_a_peer_timeout(tmp_path):
     """Rank 1 hangs (SIGSTOP) mid-stream. Found by an outside tester: new requests were
     admitted and hung while /health already said the engine was not responding (admission
@@ -264,7 +257,7 @@ def test_hung_rank_ends_group_within_a_peer_timeout(tmp_path):
         assert r.status_code == 503 and time.monotonic() - start < 3, (r.text, server.tail())
         events, error = stream.result(60)
         assert error is None and '"503_SERVICE_UNAVAILABLE"' in events[-1], (error, events[-1:])
-        while not _exited(rank0) and time.monotonic() - stopped < 60:
+        while not exited(rank0) and time.monotonic() - stopped < 60:
             time.sleep(0.2)
         assert time.monotonic() - stopped < 45, server.tail()
     finally:  # torchrun starts each rank in a session of its own: kill them by pid
