@@ -87,6 +87,8 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):  # vLLM refuses them too
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if self.min_tokens > self.max_new_tokens:
             raise ValueError(f"min_tokens must be <= the maximum of new tokens, got "
                              f"{self.min_tokens} > {self.max_new_tokens}")

@@ -56,6 +56,21 @@ def test_malformed_chat_fields_are_605(http, model):
         "/tokenize", json={"messages": USER}).json()["tokens"]
 
 
+def test_an_empty_stop_string_is_605(http, model):
+    """As vLLM ("stop cannot contain an empty string"); found by an outside tester: "" was
+    dropped without a word."""
+    for stop in ("", ["x", ""]):
+        r = http.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2,
+                                               "stop": stop})
+        _assert_605(r, f"completions stop={stop!r}")
+        assert "stop" in r.json()["error"]["message"], r.text
+    r = http.post("/generate", json={"prompt": "a", "generate_config": {"stop_words_str": [""]}})
+    _assert_605(r, "generate stop_words_str")
+    ok = http.post("/v1/completions", json={"model": model, "prompt": "a", "max_tokens": 2,
+                                            "stop": ["x"]})
+    assert ok.status_code == 200, ok.text
+
+
 def test_text_parts_are_joined_by_newlines(http, model):
     """Several text parts of one message reach the template joined by "\n", as vLLM joins
     them (they were glued: "Hello" + "world" became "Helloworld")."""
