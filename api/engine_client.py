@@ -22,12 +22,43 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Callable
 
+import msgpack
 import zmq
 import zmq.asyncio
 
 from api import wire
 
 log = logging.getLogger("tapserve.api")
+
+
+def _encode(request: wire.AddRequest) -> bytes:
+    """The request's wire bytes; a 605 naming the field that msgpack cannot carry (an integer
+    beyond 64 bits, text that is not valid Unicode, custom_output_params nested too deeply)."""
+    try:
+        return wire.encode(request)
+    except (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError) as e:
+        from api.errors import invalid
+        param = _unencodable_field(request)
+        if isinstance(e, UnicodeEncodeError):  # a lone surrogate in a stop string, say
+            why = f"it holds text that is not valid Unicode ({e.reason})"
+        elif isinstance(e, RecursionError):
+            why = f"{param or 'custom_output_params'} is nested too deeply"
+        else:
+            why = f"integers, such as custom_output_params values or the seed, must fit in 64 bits: {e}"
+        raise invalid(f"request cannot be encoded: {why}", param) from None
+
+
+def _unencodable_field(request: wire.AddRequest) -> str | None:
+    """The first of custom_output_params and the sampling fields (stop, seed, logit_bias...)
+    that msgpack refuses, by its request name; None if each packs alone."""
+    fields = [("custom_output_params", request.custom_output_params),
+              *request.sampling_params.items()]
+    for name, value in fields:
+        try:
+            msgpack.packb(value, use_bin_type=True)
+        except (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError):
+            return name
+    return None
 
 
 class EngineError(Exception):
@@ -182,20 +213,7 @@ class EngineClient:
         """Send the requests (one HTTP request's prompts) and return their group."""
         for r in requests:
             r.arrival_time = r.arrival_time or time.time()
-        try:  # e.g. an integer beyond 64 bits in custom_output_params or the seed
-            payloads = [wire.encode(r) for r in requests]
-        except UnicodeEncodeError as e:  # a lone surrogate in a stop string, say
-            from api.errors import invalid
-            raise invalid(f"request cannot be encoded: it holds text that is not valid "
-                          f"Unicode ({e.reason})") from e
-        except RecursionError:
-            from api.errors import invalid
-            raise invalid("request cannot be encoded: custom_output_params is nested too "
-                          "deeply") from None
-        except (OverflowError, ValueError, TypeError) as e:
-            from api.errors import invalid
-            raise invalid(f"request cannot be encoded (integers, such as custom_output_params "
-                          f"values or the seed, must fit in 64 bits): {e}") from e
+        payloads = [_encode(r) for r in requests]
         group = RequestGroup(self, [r.request_id for r in requests])
         for r in requests:
             self._routes[r.request_id] = group

@@ -110,7 +110,8 @@ def select_position(handler: object | None, input_ids: list[int], params: dict |
                                                 f"{describe_error(e)}") from None
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool):
         raise RequestError(INVALID_PARAMS, f"the selector returned {type(pos).__name__} "
-                                           f"{describe(pos)[:100]}, not an int position")
+                                           f"{describe(pos)[:100]}, not an int position",
+                           "custom_output_params")
     if not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
         raise RequestError(INVALID_PARAMS, f"selected position {int(pos)} is outside "
                                            f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)",

@@ -71,6 +71,19 @@ def test_an_empty_stop_string_is_605(http, model):
     assert ok.status_code == 200, ok.text
 
 
+def test_a_request_msgpack_cannot_carry_names_its_field(http, model):
+    """Found by an outside tester: these 605s came with `param: null`."""
+    base = {"model": model, "prompt": "a", "max_tokens": 2}
+    r = http.post("/v1/completions", json={**base, "custom_output_params": {"position": 10**29}})
+    _assert_605(r, "an integer beyond 64 bits")
+    assert r.json()["error"]["param"] == "custom_output_params", r.text
+    r = http.post("/v1/completions", headers={"content-type": "application/json"},
+                  content=b'{"model": "%s", "prompt": "a", "max_tokens": 2, "stop": "\\udc00"}'
+                  % model.encode())
+    _assert_605(r, "a lone surrogate")
+    assert r.json()["error"]["param"] == "stop" and "not valid Unicode" in r.text, r.text
+
+
 def test_text_parts_are_joined_by_newlines(http, model):
     """Several text parts of one message reach the template joined by "\n", as vLLM joins
     them (they were glued: "Hello" + "world" became "Helloworld")."""

@@ -85,6 +85,7 @@ def test_a_selector_returning_a_non_integer_says_so(llm) -> None:
     r = run(llm, [("str", prompt(10, 45), greedy(), {"position": "3"})])
     assert_refused(r, "str", INVALID_PARAMS, llm)
     assert "returned str '3', not an int position" in r.errors["str"].message
+    assert r.errors["str"].param == "custom_output_params"  # (it named none: an outside tester)
 
 
 def test_params_without_module_and_scoring_rules_are_605(llm, plain_llm) -> None:
