@@ -15,12 +15,14 @@ from model.allreduce import MODES, mode_from_env, with_one_shot_all_reduce
 from model.attention import AttentionMetadata
 from model.config import ModelConfig
 from model.decoder import AttentionBackend, ForwardContext
-from model.layers import TPGroup
+from model.layers import TPGroup, gemv_max_rows_from_env
 from model.loader import build_model, init_dummy_weights, load_weights
 from model.triton_backend import make_triton_backend
 from ranks.plan import StepKind, StepPlan
 
 GiB = 1 << 30
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # KV block sizes (tokens) the attention kernels take
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclass
@@ -44,12 +46,20 @@ class RunnerConfig:
         if self.all_reduce not in MODES:
             raise ValueError(f"all_reduce (TAPSERVE_ALLREDUCE) must be one of {', '.join(MODES)}, "
                              f"got {self.all_reduce!r}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        check_block_size_and_load_format(self.block_size, self.load_format)
+        gemv_max_rows_from_env()  # (model.layers read it at import, leniently)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
+    """ValueError unless both are ones the runner takes (EngineConfig checks them before
+    any rank starts)."""
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, "
+                         f"got {block_size}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
 
 
 @dataclass
@@ -124,20 +134,18 @@ class ModelRunner:
         return int(total * self.cfg.gpu_memory_utilization - used_by_others - peak_activations)
 
     def _profile_peak_activations(self) -> int:
-        n = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
-        blocks = -(-n // self.cfg.block_size)
-        caches = self._allocate_kv_cache(blocks)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        plan = StepPlan(kind=StepKind.PREFILL, input_ids=np.zeros(n, np.int64),
-                        positions=np.arange(n, dtype=np.int64), slot_mapping=np.arange(n, dtype=np.int64),
-                        query_start_loc=np.array([0, n], np.int32), context_lens=np.array([n], np.int32),
-                        block_tables=np.arange(blocks, dtype=np.int32)[None],
-                        logit_rows=np.array([n - 1], np.int64))
-        self.execute(plan, caches)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del caches
-        torch.cuda.empty_cache()
+        """The most memory a step's forward and logits take beyond the KV cache: the larger
+        of the two profile steps (profile_plans), each run on a scratch KV cache."""
+        peak = 0
+        for plan in profile_plans(self.cfg.max_num_batched_tokens, self.cfg.max_model_len,
+                                  self.cfg.max_num_seqs, self.cfg.block_size):
+            caches = self._allocate_kv_cache(int(plan.block_tables.max()) + 1)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            self.execute(plan, caches)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+            del caches
+            torch.cuda.empty_cache()
         return peak
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -215,3 +223,32 @@ class ModelRunner:
         for k_cache, v_cache in kv_caches:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
+
+
+def profile_plans(max_tokens: int, max_model_len: int, max_seqs: int,
+                  block_size: int) -> list[StepPlan]:
+    """The prefill steps whose forward takes the most memory the scheduler can ask for: one
+    sequence as long as a step and the context allow (the longest attention), and a full
+    token budget split over as many sequences as may run (the most tokens, and a logit row
+    each: up to max_seqs x vocab logits). Token ids 0, every row in its own blocks."""
+    longest = min(max_tokens, max_model_len)
+    total = min(max_tokens, max_seqs * max_model_len)
+    rows = min(max_seqs, total)
+    spread = [total // rows + (i < total % rows) for i in range(rows)]
+    return [_prefill_plan([longest], block_size), _prefill_plan(spread, block_size)]
+
+
+def _prefill_plan(lengths: list[int], block_size: int) -> StepPlan:
+    """A prefill of fresh sequences of these lengths, each in blocks of its own."""
+    lens = np.asarray(lengths, np.int32)
+    widths = -(-lens // block_size)
+    first_block = np.concatenate([[0], np.cumsum(widths)[:-1]])
+    tables = first_block[:, None] + np.arange(widths.max())[None]
+    tables = np.where(np.arange(widths.max())[None] < widths[:, None], tables, 0)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    positions = np.arange(starts[-1]) - np.repeat(starts[:-1], lens)
+    slots = np.repeat(first_block * block_size, lens) + positions
+    return StepPlan(kind=StepKind.PREFILL, input_ids=np.zeros(starts[-1], np.int64),
+                    positions=positions.astype(np.int64), slot_mapping=slots.astype(np.int64),
+                    query_start_loc=starts, context_lens=lens,
+                    block_tables=tables.astype(np.int32), logit_rows=(starts[1:] - 1).astype(np.int64))
