@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--tokenizer", help="tokenizer folder (default: the model folder)")
     a("--served-model-name", help="model name in the API (default: folder name)")
     a("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
-    a("--device", help="cpu or cuda (default: cuda if available)")
+    a("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     a("--tp", type=int, help="tensor-parallel size (default and only allowed value: the world size)")
     a("--nproc-per-node", type=int, help="start this many tensor-parallel ranks on this node "
@@ -104,17 +104,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def absolute_paths(args: argparse.Namespace) -> None:
     """Paths given relative to where the launch ran, made absolute: the API process runs in
-    the repository's folder (a relative --tokenizer or --chat-template failed there)."""
-    for name in ("model", "tokenizer"):  # (~ too: `--model=~/x` reaches us unexpanded)
+    the repository's folder (a relative --tokenizer or --chat-template failed there). A
+    leading ~ is expanded too: `--model=~/x` reaches us unexpanded."""
+    def absolute(path: str) -> str:
+        return os.path.abspath(os.path.expanduser(path))
+    for name in ("model", "tokenizer"):
         if getattr(args, name):
-            setattr(args, name, os.path.abspath(os.path.expanduser(getattr(args, name))))
-    if args.chat_template and names_a_file(args.chat_template):
-        args.chat_template = os.path.abspath(args.chat_template)
+            setattr(args, name, absolute(getattr(args, name)))
+    if args.chat_template and names_a_file(os.path.expanduser(args.chat_template)):
+        args.chat_template = absolute(args.chat_template)  # (else the template's own text)
     if args.generation_config not in ("auto", "vllm"):
-        args.generation_config = os.path.abspath(args.generation_config)
+        args.generation_config = absolute(args.generation_config)
     target, colon, name = (args.custom_module or "").partition(":")
-    if names_a_module_file(target):
-        args.custom_module = os.path.abspath(target) + colon + name
+    if names_a_module_file(os.path.expanduser(target)):
+        args.custom_module = absolute(target) + colon + name
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

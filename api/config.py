@@ -102,10 +102,10 @@ class ApiConfig:
                     argv += ["--api-key-file", self._write_key_file(value)]
             elif isinstance(value, bool):
                 argv += [flag] if value else []
-            elif isinstance(value, tuple):
-                argv += [flag, ",".join(map(str, value))] if value else []
+            elif isinstance(value, tuple):  # (flag=value: a value may start with "-")
+                argv += [f"{flag}={','.join(map(str, value))}"] if value else []
             elif value is not None:
-                argv += [flag, str(value)]
+                argv += [f"{flag}={value}"]
         return argv
 
     def _write_key_file(self, key: str) -> str:

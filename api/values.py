@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-ENCODINGS = ("json", "base64")
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 
 

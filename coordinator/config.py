@@ -19,7 +19,7 @@ from model.layers import ParallelLayoutError, TPGroup
 from model.loader import resolve_dtype
 from ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
 from ranks.plan import StepKind, StepPlan
-from ranks.runner import ModelRunner, RunnerConfig
+from ranks.runner import ModelRunner, RunnerConfig, check_block_size_and_load_format
 from ranks.worker import ignore_termination_signals
 
 
@@ -36,7 +36,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: max_position_embeddings, capped to the KV cache
     enable_prefix_caching: bool = True
     custom_module: str | None = None
     custom_output_reuse: str = "omit"
@@ -50,7 +50,8 @@ class EngineConfig:
             raise ValueError("custom_output_reuse must be omit or recompute")
         if self.output_workers < 0:
             raise ValueError("output_workers must be >= 0")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        check_block_size_and_load_format(self.block_size, self.load_format)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -2,7 +2,7 @@
 
 Each step: schedule -> build the plan -> hand it to every rank (broadcast) -> run rank 0's
 forward -> custom outputs, sampling, forks and beams (coordinator/engine_tokens.py) ->
-outputs. A plain decode step may run ahead of its sampling (coordinator/run_ahead.py). `Engine.generate` in
+outputs. A plain decode step may run ahead of its sampling (coordinator/run_ahead.py). `LLM.generate` in
 coordinator/offline.py drives it for offline use; coordinator/loop.py drives it for serving.
 """
 from __future__ import annotations

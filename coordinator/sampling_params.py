@@ -61,7 +61,7 @@ class SamplingParams:
         self._take_numbers()
         if self.top_k == -1:
             self.top_k = 0
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "must be >= 0"),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
@@ -174,11 +174,6 @@ class SamplingParams:
         return (not self.logprobs and not self.logit_bias and self.repetition_penalty == 1.0
                 and not self.presence_penalty and not self.frequency_penalty
                 and not self.min_tokens and self.seed is None)
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences running at once: beams for beam search, else n."""
-        return self.num_beams if self.num_beams > 1 else self.n
 
     def to_dict(self) -> dict:
         d = asdict(self)

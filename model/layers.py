@@ -221,7 +221,28 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # rows up to which 16-bit CUDA linears take the Triton GEMV: one (batch-1 decode); at 2 to 8
 # rows the kernel measured slower than cuBLAS (docs/benchmarks.md). TAPSERVE_GEMV_MAX_ROWS=0
 # turns it off for A/B benchmarks. Read once at import: a constant, like HAS_TRITON.
-GEMV_MAX_ROWS = min(8, int(os.environ.get("TAPSERVE_GEMV_MAX_ROWS", "1")))
+GEMV_MAX_ROWS_LIMIT = 8  # model/kernels/gemv.py MAX_ROWS (not imported here: it needs Triton)
+
+
+def gemv_max_rows_from_env() -> int:
+    """TAPSERVE_GEMV_MAX_ROWS (default 1), at most GEMV_MAX_ROWS_LIMIT; a ValueError unless
+    an integer (RunnerConfig checks it at start-up)."""
+    raw = os.environ.get("TAPSERVE_GEMV_MAX_ROWS", "1")
+    try:
+        return min(GEMV_MAX_ROWS_LIMIT, max(0, int(raw)))
+    except ValueError:
+        raise ValueError(f"TAPSERVE_GEMV_MAX_ROWS must be an integer (rows; 0 turns the GEMV "
+                         f"off), got {raw!r}") from None
+
+
+def _gemv_max_rows_or_default() -> int:
+    try:
+        return gemv_max_rows_from_env()
+    except ValueError:
+        return 1  # refused by RunnerConfig before any model runs; an import must not fail
+
+
+GEMV_MAX_ROWS = _gemv_max_rows_or_default()
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -40,6 +40,9 @@ def test_api_config_argv_roundtrip(tmp_path):
     assert cfg.max_in_flight == 11
     plain = ApiConfig(ipc_dir="/x", tokenizer="/t")
     assert ApiConfig.from_argv(plain.to_argv()) == plain
+    dashes = ApiConfig(ipc_dir="/x", tokenizer="/t", served_model_name="-m",
+                       chat_template="--x", eos_token_ids=(-1,))  # (a reviewer: exit 2)
+    assert ApiConfig.from_argv(dashes.to_argv()) == dashes
     with pytest.raises(ValueError):
         ApiConfig(ipc_dir="/x", tokenizer="/t", max_n=0)
 

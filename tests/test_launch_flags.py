@@ -23,6 +23,22 @@ def _launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+def test_a_leading_tilde_is_expanded_in_every_path_flag(tmp_path, monkeypatch):
+    """A reviewer found `--generation-config=~/gc` made into <cwd>/~/gc (the shell expands
+    only a ~ that starts a word); an inline template starting with ~ stays as it is."""
+    from launch import parse_args
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "gc").mkdir()
+    (tmp_path / "h.py").write_text("")
+    (tmp_path / "t.jinja").write_text("{{ 1 }}")
+    args = parse_args(["--model=~/m", "--tokenizer=~/tok", "--generation-config=~/gc",
+                       "--custom-module=~/h.py:Head", "--chat-template=~/t.jinja"])
+    assert (args.model, args.tokenizer, args.generation_config, args.custom_module,
+            args.chat_template) == (f"{tmp_path}/m", f"{tmp_path}/tok", f"{tmp_path}/gc",
+                                    f"{tmp_path}/h.py:Head", f"{tmp_path}/t.jinja")
+    assert parse_args(["--chat-template=~{{ 1 }}"]).chat_template == "~{{ 1 }}"
+
+
 def test_chat_template_is_a_file_or_a_template(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}")
@@ -58,7 +74,10 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--num-kv-blocks", "0"], None, "num_kv_blocks must be >= 1"),
     (["--max-num-seqs", "0"], None, "max_num_seqs must be >= 1"),
     (["--max-num-batched-tokens", "0"], None, "max_num_batched_tokens must be >= 1"),
-    (["--block-size", "0"], None, "block_size must be >= 1"),
+    (["--block-size", "0"], None, "block_size must be one of 8, 16, 32, 64, 128"),
+    # found by a reviewer of the 23rd session (after the ranks had started, or a traceback)
+    (["--block-size", "17"], None, "block_size must be one of 8, 16, 32, 64, 128"),
+    (["--prompt", "hi"], {"TAPSERVE_GEMV_MAX_ROWS": "one"}, "TAPSERVE_GEMV_MAX_ROWS must be an integer"),
     (["--max-queued-requests", "-1"], None, "--max-queued-requests must be >= 0"),
     # found by an outside tester of the 18th session (tracebacks, or errors only after loading)
     (["--seed", str(2 ** 70)], None, "seed must fit in 64 bits"),

@@ -106,6 +106,14 @@ def test_seed_beyond_the_wire_is_refused() -> None:
             SamplingParams(**kwargs)
 
 
+def test_none_is_no_stop_strings_and_an_empty_one_is_refused() -> None:
+    """As vLLM: stop=None is none (it was a TypeError: a reviewer); "" is refused."""
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop="x").stop == ["x"]
+    for stop in ("", ["a", ""], [3]):
+        with pytest.raises(ValueError, match="stop must hold non-empty strings"):
+            SamplingParams(stop=stop)
+
+
 def test_misused_params_are_named(llm) -> None:
     with pytest.raises(ValueError, match="temperature must be a number"):
         SamplingParams(temperature="0.5")
