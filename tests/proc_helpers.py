@@ -38,6 +38,16 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
 
 
+def flag_value(argv: list[str], flag: str) -> str:
+    """The value of `flag` in a command line, given as `flag value` or `flag=value`."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    raise ValueError(f"{flag} is not in {argv}")
+
+
 def exited(pid: int) -> bool:
     """Gone, or a zombie that its parent has not reaped (a stopped parent cannot)."""
     try:

@@ -237,13 +237,13 @@ def test_api_process_answers_open_streams_when_rank0_dies(tmp_path):
     import signal
 
     from tests.api_helpers import LiveServer
-    from tests.proc_helpers import cmdline, descendants
+    from tests.proc_helpers import cmdline, descendants, flag_value
     server = LiveServer()
     try:
         api = next(pid for pid in descendants(server.proc.pid) if "api.server" in cmdline(pid))
         argv = cmdline(api)
-        assert argv[argv.index("--parent-pid") + 1] == str(server.proc.pid)
-        ipc_dir = argv[argv.index("--ipc-dir") + 1]
+        assert flag_value(argv, "--parent-pid") == str(server.proc.pid)
+        ipc_dir = flag_value(argv, "--ipc-dir")
         body = {"model": "tapserve-demo", "prompt": PROMPT, "max_tokens": 1500,
                 "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body,

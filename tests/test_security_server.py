@@ -17,7 +17,8 @@ import pytest
 
 pytest.register_assert_rewrite("tests.api_helpers")
 from tests.api_helpers import LiveServer  # noqa: E402
-from tests.proc_helpers import api_pid, cmdline, descendants, listening_tcp, unix_socket_paths  # noqa: E402
+from tests.proc_helpers import (api_pid, cmdline, descendants, flag_value, listening_tcp,  # noqa: E402
+                                unix_socket_paths)
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "security-key-5678"
@@ -76,7 +77,7 @@ def test_zmq_sockets_only_ipc_in_private_dir(server):
     rank0 = server.proc.pid
     api = api_pid(rank0)
     argv = cmdline(api)
-    ipc_dir = Path(argv[argv.index("--ipc-dir") + 1])
+    ipc_dir = Path(flag_value(argv, "--ipc-dir"))
     mode = ipc_dir.stat()
     assert stat.S_IMODE(mode.st_mode) == 0o700 and mode.st_uid == Path("/proc/self").stat().st_uid
     for pid in (rank0, api):  # rank 0 binds; the API process connects (no path of its own)
