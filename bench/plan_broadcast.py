@@ -109,6 +109,9 @@ class DecodingBatch:
 
 def worker(rank: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
+    if args.cpus_per_rank:  # before the group starts: gloo's threads inherit the mask
+        first = rank * args.cpus_per_rank
+        os.sched_setaffinity(0, range(first, first + args.cpus_per_rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # plans on a gloo group of their own, one channel for the whole run, as in the engine
     spin_ms = args.spin_ms if args.spin_ms is not None else (
@@ -264,7 +267,12 @@ def main() -> None:
                         "the engine, 5 on a machine with CUDA, else 0)")
     p.add_argument("--int32-tables", action="store_true",
                    help="block tables in int32 even where uint16 holds the pool (for comparison)")
+    p.add_argument("--cpus-per-rank", type=int, default=0,
+                   help="pin rank r (and the gloo threads it starts) to cores "
+                        "[r*K, (r+1)*K) (default 0: no pinning)")
     args = p.parse_args()
+    if args.cpus_per_rank * 2 > len(os.sched_getaffinity(0)):
+        p.error("--cpus-per-rank: not enough cores for two ranks")
     if args.steps < 2 or args.rounds < 1:
         p.error("--steps must be at least 2 (quantiles) and --rounds at least 1")
     with socket.socket() as s:
