@@ -3,10 +3,13 @@
 Goal: at most 1.5x the bare broadcast.
 
     python bench/plan_broadcast.py [--batch 256] [--context 2048] [--steps 200] [--rounds 5]
-                                   [--int32-tables]
+                                   [--int32-tables] [--cpus-per-rank K]
 
 Block tables travel in the dtype the engine picks for the bench's pool (uint16 up to 65,536
 blocks: ranks.plan.block_table_dtype); --int32-tables sends them as int32 for comparison.
+--cpus-per-rank K pins rank r (and the gloo threads it starts) to cores [r*K, (r+1)*K)
+(docs/benchmarks.md, 23rd session: two cores a rank helped on average, one core a rank that
+polls for plans is far worse).
 
 The batch is the engine's: the real Scheduler and BlockManager schedule it (prompts of
 context - i % 16 tokens, so that one sequence in 16 takes a new block at each step), and
