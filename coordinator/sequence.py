@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from coordinator.sampling_params import SamplingParams
+from model.custom_output import CustomOutputHandler
 
-LAST_GENERATED = -2  # CustomOutputHandler.LAST_GENERATED: each sequence's last generated token
+LAST_GENERATED = CustomOutputHandler.LAST_GENERATED  # each sequence's last generated token
 
 
 class SeqStatus(enum.Enum):
