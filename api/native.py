@@ -75,6 +75,11 @@ class GenerateConfig(StrictModel):
         return self.num_return_sequences is not None or self.num_beams > 1
 
     def sampling_kwargs(self, max_new_tokens: int) -> dict:
+        """SamplingParams' fields (max_new_tokens: the request's, resolved); a 605 naming
+        min_new_tokens when it exceeds it (SamplingParams would name its min_tokens)."""
+        if self.min_new_tokens > max_new_tokens:
+            raise invalid(f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens} "
+                          f"> {max_new_tokens}", "min_new_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         beams = self.num_beams > 1
         optional = {"temperature": 0.0 if self.do_sample is False else self.temperature,

@@ -227,6 +227,7 @@ def test_beam_requests_that_ended_the_engine_or_went_unchecked(http):
         assert r.status_code == 200 and len(r.json()["response"]) == 2, r.text
     assert http.get("/health").status_code == 200
     cases = [({"num_beams": 2, "do_sample": True}, "do_sample"), ({"num_beams": 17}, "num_beams"),
+             ({"max_new_tokens": 2, "min_new_tokens": 5}, "min_new_tokens"),  # (was min_tokens)
              ({"num_beams": 2, "presence_penalty": 0.5}, "presence_penalty")]
     for config, field in cases:
         r = http.post("/generate", json={"prompt": PROMPT, "generate_config": config})
