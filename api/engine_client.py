@@ -31,12 +31,16 @@ from api import wire
 log = logging.getLogger("tapserve.api")
 
 
+# what msgpack raises for a value it cannot carry
+_UNENCODABLE = (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError)
+
+
 def _encode(request: wire.AddRequest) -> bytes:
     """The request's wire bytes; a 605 naming the field that msgpack cannot carry (an integer
     beyond 64 bits, text that is not valid Unicode, custom_output_params nested too deeply)."""
     try:
         return wire.encode(request)
-    except (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError) as e:
+    except _UNENCODABLE as e:
         from api.errors import invalid
         param = _unencodable_field(request)
         if isinstance(e, UnicodeEncodeError):  # a lone surrogate in a stop string, say
@@ -56,7 +60,7 @@ def _unencodable_field(request: wire.AddRequest) -> str | None:
     for name, value in fields:
         try:
             msgpack.packb(value, use_bin_type=True)
-        except (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError):
+        except _UNENCODABLE:
             return name
     return None
 
