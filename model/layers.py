@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from model.kernels import GEMV_MAX_ROWS as GEMV_MAX_ROWS_LIMIT  # needs no Triton
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -221,7 +223,6 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # rows up to which 16-bit CUDA linears take the Triton GEMV: one (batch-1 decode); at 2 to 8
 # rows the kernel measured slower than cuBLAS (docs/benchmarks.md). TAPSERVE_GEMV_MAX_ROWS=0
 # turns it off for A/B benchmarks. Read once at import: a constant, like HAS_TRITON.
-GEMV_MAX_ROWS_LIMIT = 8  # model/kernels/gemv.py MAX_ROWS (not imported here: it needs Triton)
 
 
 def gemv_max_rows_from_env() -> int:

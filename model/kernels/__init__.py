@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+GEMV_MAX_ROWS = 8  # the most rows the GEMV (gemv.py) takes: here, for callers without Triton
+
 _LAZY = {
     "paged_decode_attention": "decode",
     "make_decode_workspace": "decode",
@@ -50,7 +52,7 @@ _LAZY = {
     "gemv": "gemv",
 }
 
-__all__ = [*_LAZY, "triton_available"]
+__all__ = [*_LAZY, "triton_available", "GEMV_MAX_ROWS"]
 
 
 def triton_available(device: torch.device | str | None = None) -> bool:

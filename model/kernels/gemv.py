@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels import GEMV_MAX_ROWS as MAX_ROWS  # the largest M; more stay on cuBLAS
 from model.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
-
-MAX_ROWS = 8  # the largest M this kernel takes; larger batches stay on cuBLAS
 
 
 @dataclass(frozen=True)
