@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
-PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context
+PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context (more to start on a character)
 _MAX_HELD_TOKENS = 8  # give up waiting for a character to complete after this many tokens
 
 
@@ -105,6 +105,24 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+def prompt_context(decoder: Decoder, prompt_ids: list[int]) -> list[int]:
+    """The prompt tokens a sequence's decoding window starts with: the last PROMPT_CONTEXT,
+    and up to 3 more (a character has at most 4 bytes) so that the window does not start in
+    the middle of a character. A SentencePiece byte-fallback run decodes as a whole: a run
+    cut after its first byte is invalid UTF-8, and every byte of it, the output's included,
+    would decode as U+FFFD (an outside tester's find). Decoders without `text_bytes` (a
+    token's bytes in the decoded text, api.tokenizer.TextTokenizer) keep PROMPT_CONTEXT."""
+    start = max(0, len(prompt_ids) - PROMPT_CONTEXT)
+    text_bytes = getattr(decoder, "text_bytes", None)
+    if text_bytes is not None:
+        for _ in range(3):
+            first = text_bytes(prompt_ids[start])[:1] if start > 0 else b""
+            if not (first and 0x80 <= first[0] < 0xC0):
+                break
+            start -= 1  # a continuation byte: its character began further back
+    return list(prompt_ids[start:])
+
+
 @dataclass
 class StopChecker:
     stop: list[str] = field(default_factory=list)
@@ -145,7 +163,7 @@ class IncrementalDetokenizer:
         self.decoder = decoder
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or StopChecker()
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._ids: list[int] = prompt_context(decoder, prompt_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # all output text decoded so far (cut at a stop string)

@@ -155,7 +155,9 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
             choice = shape.chunk_choice(d, value)
             if choice is not None:
                 # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed
-                usage = {"usage": generation.choice_usage(d.index)} if body.continuous_usage else {}
+                # with include_usage alone, OpenAI's chunks carry "usage": null until the last
+                usage = {"usage": generation.choice_usage(d.index) if body.continuous_usage
+                         else None} if body.include_usage else {}
                 events.append(sse({**head, "choices": [choice], **_extra(value), **usage}))
         if events:
             yield "".join(events)  # one write for the choices of one output

@@ -8,12 +8,15 @@ it: never silently misread.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import invalid
 from api.tokenizer import ChatTemplateError, TextTokenizer
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits only (int() takes more)
 
 
 class StrictModel(BaseModel):
@@ -79,10 +82,11 @@ class _SamplingFields(StrictModel):
                     "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.logit_bias:
-            try:
-                kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise invalid("logit_bias keys must be token ids", "logit_bias") from None
+            bad = [k for k in self.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)]
+            if bad:
+                raise invalid(f"logit_bias keys must be token ids (decimal digits), got {bad[:3]}",
+                              "logit_bias")
+            kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return kw
 
     @property

@@ -10,7 +10,7 @@ its last kept token scored in the next step; the API waits for that final output
 """
 from __future__ import annotations
 
-from api.detokenizer import PROMPT_CONTEXT, Decoder, IncrementalDetokenizer, StopChecker
+from api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker, prompt_context
 from coordinator.custom_outputs import LAST_GENERATED
 from coordinator.sequence import Request, Sequence
 
@@ -47,7 +47,7 @@ def _fewest_tokens_for(seq: Sequence, decoder: Decoder, kept_text: str, upper: i
     an upper bound: characters held for an incomplete UTF-8 sequence are credited to the token
     that completed (or broke) it, which may lie past the cut; decoding settles it."""
     p, skip = seq.num_prompt_tokens, seq.request.params.skip_special_tokens
-    context = seq.token_ids[max(0, p - PROMPT_CONTEXT):p]  # as the detokenizer's window
+    context = prompt_context(decoder, seq.token_ids[:p])  # as the detokenizer's window
     skipped = len(decoder.decode(context, skip))
     k = upper
     while k > 0 and decoder.decode(context + seq.token_ids[p:p + k - 1], skip)[skipped:] \

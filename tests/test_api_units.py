@@ -165,6 +165,26 @@ def test_detokenizer_keeps_text_after_stray_bytes_with_byte_fallback():
     assert "".join(pieces).endswith("b\xe9\U0001f600a")
 
 
+def test_detokenizer_window_starts_on_a_character_after_a_byte_fallback_prompt():
+    """A prompt ending in a SentencePiece byte run longer than the window (日本 is six
+    <0xNN> tokens): the output's text is what a full decode gives, streamed or not, and the
+    stop-string cut on rank 0 agrees. The window used to start inside the run, which made
+    the whole run invalid UTF-8: every output byte after it came out as U+FFFD (an outside
+    tester's find)."""
+    from api.detokenizer import PROMPT_CONTEXT, prompt_context
+    sp, vocab = _sentencepiece_tokenizer()
+    cjk = [3 + b for b in "日本".encode()]
+    for prompt in ([vocab["\u2581hello"], *cjk], cjk, [vocab["a"], *cjk, *cjk]):
+        assert len(prompt) > PROMPT_CONTEXT
+        window = prompt_context(sp, prompt)
+        assert sp.text_bytes(window[0])[0] < 0x80 or sp.text_bytes(window[0])[0] >= 0xC0
+        ids = [3 + ord("I"), 3 + ord("I"), vocab["a"], *[3 + b for b in "é".encode()]]
+        pieces, d = _stream(sp, ids, prompt=prompt)
+        assert "".join(pieces) == sp.decode(prompt + ids)[len(sp.decode(prompt)):] == "IIaé"
+        _, cut = _stream(sp, ids, stop=["Ia"], prompt=prompt)
+        assert cut.text == "I" and cut.stopped
+
+
 def test_text_offsets_of_sentencepiece_tokens_and_open_prompts(tok):
     """text_offset from token bytes where a SentencePiece vocabulary spells them (a <0xNN>
     entry is that byte, U+2581 a space), names for partial tokens (bytes:\\xNN), and a
