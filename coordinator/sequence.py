@@ -102,7 +102,10 @@ class Request:
     def max_rows(self) -> int:
         """The most sequences it runs in one step: its n samples, or its beams (twice as
         many when it scores its last generated tokens: each hypothesis finished in a step
-        is scored by a fork of its beam in the next)."""
+        is scored by a fork of its beam in the next). Scoring only (max_new_tokens 0): the
+        one prompt sequence, whatever n or num_beams."""
+        if self.params.max_new_tokens == 0:
+            return 1
         if self.params.num_beams > 1:
             return self.params.num_beams * (2 if self.custom_position == LAST_GENERATED else 1)
         return self.params.n

@@ -26,7 +26,11 @@ def validate_prompt(ids: list[int], params: SamplingParams, options: "EngineOpti
         if bad:
             raise RequestError(INVALID_PARAMS, f"{what} token ids outside the vocabulary "
                                                f"[0, {options.vocab_size}): {bad[:5]}", what)
-    if params.num_beams > 1:  # the beams advance together, so all of them must fit at once
+    # the beams advance together, so all of them must fit at once, each with its whole
+    # sequence: after a preemption they are admitted again together, with free blocks for
+    # every beam's tokens (Scheduler._can_allocate counts no shared prefix). Scoring only
+    # (max_new_tokens 0) runs one sequence.
+    if params.num_beams > 1 and params.max_new_tokens > 0:
         if params.num_beams > options.scheduler.max_num_batched_tokens:
             raise RequestError(INVALID_PARAMS, f"num_beams {params.num_beams} exceeds "
                                                f"max_num_batched_tokens", "num_beams")

@@ -146,6 +146,26 @@ def test_scoring_only_request(llm, ref) -> None:
     assert len(r.tokens("gen")[0]) == 3
 
 
+def test_scoring_only_is_admitted_as_the_one_sequence_it_runs(ckpt, ref) -> None:
+    """A scoring-only request runs one prompt sequence whatever n or num_beams, so it is
+    checked as one: beams whose whole sequences would not all fit the KV cache, and n or
+    num_beams above max_num_seqs, are served (both were 605s; an outside tester's find).
+    Generating with the same beams is still refused: they could not all run at once."""
+    from tests.custom_helpers import make_llm
+    small = make_llm(ckpt, num_kv_blocks=12, max_num_seqs=2, max_model_len=96)
+    ids = prompt(70, 720)  # 9 blocks of 8: one sequence fits, two do not
+    requests = [(f"{n}x{beams}", ids, SamplingParams(max_new_tokens=0, n=n, num_beams=beams),
+                 {"position": 41}) for n, beams in ((2, 2), (3, 3), (5, 1))]
+    r = run(small, requests)
+    assert not r.errors
+    for rid, _, params, _ in requests:
+        assert r.final(rid).error_code is None
+        assert r.tokens(rid) == {i: [] for i in range(params.n)}
+        assert_close(r.value(rid), ref.head(ids, 41))
+    refused = run(small, [("gen", ids, greedy(max_new_tokens=2, n=2, num_beams=2), None)])
+    assert refused.errors["gen"].param == "num_beams"
+
+
 @pytest.mark.parametrize("n, num_beams", [(3, 1), (2, 2)])
 def test_scoring_only_with_several_sequences(llm, ref, n, num_beams) -> None:
     ids = prompt(15, 710 + n)
