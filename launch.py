@@ -21,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from typing import NoReturn
 
 from api.config import http_url
 from api.tokenizer import UnencodableTextError, check_unicode, names_a_file
-from coordinator.config import EngineConfig
+from coordinator.config import EngineConfig, check_model
 from coordinator.custom_outputs import RequestError
 from model.custom_output import HandlerLoadError, names_a_module_file
 from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
@@ -149,20 +150,37 @@ def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
+def once_per_node(message: str) -> str | int:
+    """For SystemExit, a start-up error that every rank of a node finds alike (from the flags,
+    the checkpoint or values the ranks agreed on): its message on local rank 0, a silent
+    status 1 on the others, so it is printed once (each node's launcher shows its own
+    ranks' output)."""
+    return message if os.environ.get("LOCAL_RANK", "0") == "0" else 1
+
+
+def exit_started_rank(message: str | int) -> NoReturn:
+    """End a rank whose start-up failed once its process group may have started: leave the
+    group first (the interpreter's teardown of a live gloo group aborts now and then,
+    "terminate called without an active exception", status 134), then SystemExit(message)."""
+    from ranks.group import shutdown_distributed
+    shutdown_distributed()
+    raise SystemExit(message)
+
+
 def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int:
     """Run this rank; tokenizer: rank 0's, from check_before_loading."""
     from coordinator.config import start_rank
     from model.layers import ParallelLayoutError
+    from ranks.runner import RankAgreedError
     from ranks.group import shutdown_distributed
     from ranks.worker import run_worker
 
     try:
         ctx, runner, channel = start_rank(config, args.tp)
-    except ParallelLayoutError as e:  # every rank finds it: one line, local rank 0's
-        # (once per node: another node's launcher shows only its own ranks' output)
-        raise SystemExit(str(e) if os.environ.get("LOCAL_RANK", "0") == "0" else 1) from None
+    except (ParallelLayoutError, RankAgreedError) as e:  # every rank finds it alike
+        exit_started_rank(once_per_node(str(e)))
     except STARTUP_ERRORS as e:
-        raise SystemExit(str(e)) from None
+        exit_started_rank(str(e))
     try:
         if not ctx.is_driver:
             run_worker(runner, channel)
@@ -192,7 +210,7 @@ def driver_engine(config: EngineConfig, runner, channel, tokenizer):
             stop_group(channel, FAILED_STOP_SECONDS)
         except RuntimeError:
             pass  # a peer already gone
-        raise SystemExit(str(e)) from None
+        exit_started_rank(str(e))
 
 
 def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
@@ -290,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                                if argv is None else [os.path.abspath(__file__), *argv])
     try:
         config = engine_config(args)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+        check_model(config)  # every rank finds a bad checkpoint or flag alike
+    except STARTUP_ERRORS as e:
+        raise SystemExit(once_per_node(str(e))) from None
     if args.prompt is not None:
         if int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp not in (None, 1):
             raise SystemExit("--prompt runs one process without tensor parallelism: leave out "
@@ -307,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = None
     try:
         args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
+    except STARTUP_ERRORS as e:
+        raise SystemExit(once_per_node(str(e))) from None
+    try:
         if os.environ.get("RANK", "0") == "0":
             tokenizer = check_before_loading(args, config)
     except STARTUP_ERRORS as e:

@@ -78,8 +78,16 @@ def error_response(error: ApiError, path: str) -> JSONResponse:
     return JSONResponse(error_body(error, path), status_code=error.status)
 
 
-def sse_error_event(error: ApiError, path: str) -> str:
-    """The last SSE event of a stream that failed after it started."""
+# where a stream that failed after it started notes its error's HTTP status, in the ASGI
+# scope's "state": its response began as a 200, and the request metrics count the failure
+STREAM_ERROR_STATUS = "tapserve_stream_error_status"
+
+
+def sse_error_event(error: ApiError, path: str, scope: dict | None = None) -> str:
+    """The last SSE event of a stream that failed after it started; the error's status is
+    noted in scope["state"] (STREAM_ERROR_STATUS) when a scope is given."""
+    if scope is not None:
+        scope.setdefault("state", {})[STREAM_ERROR_STATUS] = error.status
     return f"data: {json.dumps(error_body(error, path))}\n\n"
 
 

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from api import native, openai
 from api.config import ApiConfig
 from api.engine_client import EngineClient
-from api.errors import ApiError, error_body, install_handlers
+from api.errors import STREAM_ERROR_STATUS, ApiError, error_body, install_handlers
 from api.lifecycle import Lifecycle, Server, watchdog
 from api.metrics import CONTENT_TYPE, ApiMetrics
 from api.state import AppState, ClientGone
@@ -68,15 +68,17 @@ class Gate:
         if not measured:
             return await self.app(scope, _replay(body, receive), send)
         response, client = _ResponseRecord(send), _ClientRecord(receive)
-        failed = False
+        failed, state = False, scope.setdefault("state", {})
         try:
             await self.app(scope, _replay(body, client.receive), response.send)
         except BaseException:
             failed = True
             raise
-        finally:  # a response cut short counts as the client's leaving (499) or a failure
-            self._count(path, start, response.status if response.complete else
-                        CLIENT_GONE if client.gone and not failed else 500)
+        finally:  # a response cut short counts as the client's leaving (499) or a failure;
+            # a stream that ended in an error event counts as that error's status
+            self._count(path, start, state.get(STREAM_ERROR_STATUS, response.status)
+                        if response.complete else CLIENT_GONE if client.gone and not failed
+                        else 500)
 
     async def _refuse(self, send: Any, error: ApiError, path: str, start: float) -> None:
         """Answer an error before the app runs (401, 413); a generation path counts it."""

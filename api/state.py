@@ -233,10 +233,11 @@ class AppState:
                 async for event in events():
                     yield event
             except EngineError as e:
-                yield sse_error_event(_api_error(e, request), path)
+                yield sse_error_event(_api_error(e, request), path, request.scope)
             except Exception as e:  # a bug of ours: the client still gets a last event
                 log.exception("stream of %s failed", path)
-                yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path)
+                yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"),
+                                      path, request.scope)
             finally:
                 generation.group.abort()
                 self.log_done(generation)

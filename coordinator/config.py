@@ -13,13 +13,15 @@ from api.detokenizer import Decoder
 from coordinator.custom_outputs import build_handler
 from coordinator.engine import Engine, EngineOptions
 from coordinator.keepalive import PlanKeepalive
+from coordinator.output_dispatch import MAX_WORKERS as MAX_OUTPUT_WORKERS
 from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
 from model.layers import ParallelLayoutError, TPGroup
 from model.loader import resolve_dtype
 from ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
 from ranks.plan import StepKind, StepPlan
-from ranks.runner import ModelRunner, RunnerConfig, check_block_size_and_load_format
+from ranks.runner import (ModelRunner, RankAgreedError, RunnerConfig,
+                          check_block_size_and_load_format)
 from ranks.worker import ignore_termination_signals
 
 
@@ -48,8 +50,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.custom_output_reuse not in ("omit", "recompute"):
             raise ValueError("custom_output_reuse must be omit or recompute")
-        if self.output_workers < 0:
-            raise ValueError("output_workers must be >= 0")
+        if not 0 <= self.output_workers <= MAX_OUTPUT_WORKERS:  # (each starts a thread pool)
+            raise ValueError(f"output_workers must be in [0, {MAX_OUTPUT_WORKERS}], "
+                             f"got {self.output_workers}")
         check_block_size_and_load_format(self.block_size, self.load_format)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -93,16 +96,24 @@ class EngineConfig:
 PLAN_POLL_SECONDS = 0.005  # ranks > 0 on GPUs poll for each plan this long before blocking
 
 
-def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None,
-                 min_across_ranks: Callable[[int], int] = lambda x: x) -> ModelRunner:
+def check_model(config: EngineConfig) -> tuple[Path, ModelConfig]:
+    """The checkpoint's folder and config, checked against the flags before anything loads:
+    the model's architecture, the dtype and the context limit (a ValueError or OSError)."""
     model_dir = config.model_dir()
     model_cfg = ModelConfig.from_dir(model_dir)
-    device = device or config.torch_device()
+    resolve_dtype(config.dtype, config.torch_device())
     limit = model_cfg.max_position_embeddings
     if config.max_model_len and config.max_model_len > limit:  # as vLLM, not capped
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
                          f"max_position_embeddings ({limit}); leave it out or lower it")
-    max_len = config.max_model_len or limit
+    return model_dir, model_cfg
+
+
+def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None,
+                 min_across_ranks: Callable[[int], int] = lambda x: x) -> ModelRunner:
+    model_dir, model_cfg = check_model(config)
+    device = device or config.torch_device()
+    max_len = config.max_model_len or model_cfg.max_position_embeddings
     runner_cfg = RunnerConfig(
         model_dir=model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
         load_format=config.load_format, block_size=config.block_size,
@@ -111,14 +122,35 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
         max_num_seqs=config.max_num_seqs, max_model_len=max_len,
         max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
         seed=config.seed)
-    runner = ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
+    try:
+        runner = ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
+    except RuntimeError as e:  # (torch.OutOfMemoryError is one)
+        if not out_of_memory(e):
+            raise
+        raise ValueError(f"start-up ran out of memory on {device} ({_allocation(e)}): lower "
+                         f"--kv-cache-memory or --num-kv-blocks (--gpu-memory-utilization "
+                         f"on GPUs), --max-num-seqs or --max-num-batched-tokens") from None
     capacity = runner.num_blocks * runner_cfg.block_size
     if config.max_model_len and config.max_model_len > capacity:  # (unset: the engine caps it)
-        raise ValueError(f"--max-model-len {config.max_model_len} does not fit the KV cache, "
+        raise RankAgreedError(f"--max-model-len {config.max_model_len} does not fit the KV cache, "
                          f"{runner.num_blocks} blocks of {runner_cfg.block_size} tokens "
                          f"({capacity}): give the cache more room (--kv-cache-memory, "
                          f"--gpu-memory-utilization, --num-kv-blocks) or lower --max-model-len")
     return runner
+
+
+def out_of_memory(e: RuntimeError) -> bool:
+    """Whether torch failed to allocate: CUDA's OutOfMemoryError, or the CPU allocator's
+    RuntimeError (which has no class of its own)."""
+    return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+
+
+def _allocation(e: RuntimeError) -> str:
+    """The size an allocation failure names, in GiB, else its message's first line."""
+    asked = re.search(r"allocate (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
+    if asked is None:
+        return str(e).splitlines()[0][:200]
+    return f"{int(asked[1]) / 2 ** 30:.1f} GiB asked" if asked[1] else f"{asked[2]} asked"
 
 
 def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel | None = None,

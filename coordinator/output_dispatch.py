@@ -19,10 +19,13 @@ from typing import Any, Callable
 import numpy as np
 
 
+MAX_WORKERS = 64  # threads encoding rows: more than a host's cores buys nothing
+
+
 class OutputDispatcher:
     def __init__(self, workers: int = 0):
-        if workers < 0:
-            raise ValueError("output workers must be >= 0")
+        if not 0 <= workers <= MAX_WORKERS:
+            raise ValueError(f"output workers must be in [0, {MAX_WORKERS}], got {workers}")
         self.workers = workers
         self._shards = [ThreadPoolExecutor(1, thread_name_prefix=f"tapserve-output-{i}")
                         for i in range(workers)]

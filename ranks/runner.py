@@ -2,6 +2,7 @@
 uses the logits and the hidden states of `custom_rows`."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,23 @@ def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
 
 
+class RankAgreedError(ValueError):
+    """A start-up error that every rank finds alike, from the flags and the values the ranks
+    agreed on (the KV cache's size): launch.py prints it once per node, not once per rank."""
+
+
+def _host_memory_available() -> int:
+    """The host's available memory in bytes (Linux's MemAvailable; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 @dataclass
 class StepOutput:
     hidden: torch.Tensor  # [T, hidden] final-normalized
@@ -87,6 +105,8 @@ class ModelRunner:
             load_weights(self.model, Path(cfg.model_dir), show_progress and tp.rank == 0)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
+        if cfg.device.type == "cpu":
+            self._check_host_memory(min_across_ranks(_host_memory_available()))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # ranks > 0: where a step scheduled ahead receives its ids from rank 0 (ids_from_rank0)
         self._rank0_ids = torch.zeros(cfg.max_num_seqs if tp.rank > 0 else 0,
@@ -124,6 +144,18 @@ class ModelRunner:
         if blocks < 1:
             raise ValueError("KV cache budget is too small for a single block")
         return int(blocks)
+
+    def _check_host_memory(self, available: int) -> None:
+        """A CPU KV cache must fit the host's available memory, with the caches of the node's
+        other ranks (allocated at the same time): beyond it the allocation fails or, with
+        memory overcommitted, the kernel's OOM killer ends a rank while it fills the cache."""
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need = self.num_blocks * self.block_bytes() * ranks
+        if need > available:
+            raise RankAgreedError(
+                f"the KV cache, {self.num_blocks} blocks ({need / GiB:.1f} GiB for {ranks} "
+                f"rank(s) on this host), does not fit the host's available memory "
+                f"({available / GiB:.1f} GiB): lower --kv-cache-memory or --num-kv-blocks")
 
     def _cuda_kv_budget(self) -> int:
         """Fraction of the GPU left after weights and a peak-activation profile run."""

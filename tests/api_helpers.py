@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -116,6 +117,14 @@ def metric(server: LiveServer, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def requests_total(server: LiveServer, status: str, endpoint: str = "[^\"]*") -> float:
+    """tapserve_requests_total of one status, summed over endpoints (or of one endpoint)."""
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
+    return sum(float(v) for v in re.findall(
+        rf'tapserve_requests_total{{(?=[^}}]*endpoint="{endpoint}")[^}}]*status="{status}"'
+        rf'[^}}]*}} (\S+)', text))
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:

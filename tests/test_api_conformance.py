@@ -13,13 +13,12 @@ add_generation_prompt. The 17th session's: text parts glued together, completion
 over characters split across tokens."""
 from __future__ import annotations
 
-import re
 
 import httpx
 import pytest
 
 pytest.register_assert_rewrite("tests.api_helpers")
-from tests.api_helpers import sse_events, sse_json, wait_for  # noqa: E402
+from tests.api_helpers import requests_total, sse_events, sse_json, wait_for  # noqa: E402
 
 pytest_plugins = ["tests.api_helpers"]
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -152,21 +151,15 @@ def test_continuous_usage_is_each_choices_own(http, model):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
 
 
-def _requests_total(server, status: str) -> float:
-    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
-    return sum(float(v) for v in re.findall(
-        rf'tapserve_requests_total{{[^}}]*status="{status}"[^}}]*}} (\S+)', text))
-
-
 def test_client_that_gives_up_is_499_not_500(server, model):
-    before_500, before_499 = _requests_total(server, "500"), _requests_total(server, "499")
+    before_500, before_499 = requests_total(server, "500"), requests_total(server, "499")
     body = {"model": model, "prompt": PROMPT * 4, "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, headers=server.headers,
                    timeout=1.0)
-    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 1, 5), \
+    assert wait_for(lambda: requests_total(server, "499") == before_499 + 1, 5), \
         server.log_tail()
-    assert _requests_total(server, "500") == before_500
+    assert requests_total(server, "500") == before_500
     assert "ClientGone" not in server.log_tail(20000)
 
 
@@ -209,21 +202,21 @@ def test_wrong_json_types_are_605_not_coerced(http, model):
 def test_cancelled_streams_and_cut_uploads_count_as_499(server, model):
     import socket
     from urllib.parse import urlparse
-    before_499, before_400 = _requests_total(server, "499"), _requests_total(server, "400")
+    before_499, before_400 = requests_total(server, "499"), requests_total(server, "400")
     body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body,
                       headers=server.headers, timeout=30) as r:
         assert next(r.iter_lines()).startswith("data: ")  # in flight, then the client leaves
-    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 1, 5), \
+    assert wait_for(lambda: requests_total(server, "499") == before_499 + 1, 5), \
         server.log_tail()
     url = urlparse(server.url)
     with socket.create_connection((url.hostname, url.port)) as s:  # half a body, then gone
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: 86\r\nAuthorization: " + server.headers.get(
                       "Authorization", "none").encode() + b"\r\n\r\n" + b'{"prompt": "abc", "m')
-    assert wait_for(lambda: _requests_total(server, "499") == before_499 + 2, 5)
-    assert _requests_total(server, "400") == before_400
+    assert wait_for(lambda: requests_total(server, "499") == before_499 + 2, 5)
+    assert requests_total(server, "400") == before_400
 
 
 def test_a_request_larger_than_the_queue_is_605_not_503(http, model):

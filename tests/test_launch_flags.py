@@ -87,6 +87,11 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
     (["--chat-template", "{% for m in messages %}{{ m }}"], None, "--chat-template does not compile"),
     (["--custom-module", "nosuchpkg.mod:H"], None, "cannot import custom module 'nosuchpkg.mod'"),
     (["--model", "/nonexistent"], None, "model folder not found: /nonexistent"),
+    # found by an outside tester of the 24th session (the allocator's traceback; a million
+    # thread pools built before start-up went on)
+    (["--output-workers", "1000000"], None, "output_workers must be in [0, 64]"),
+    (["--kv-cache-memory", "100000", "--max-num-seqs", "100000"], None,
+     "does not fit the host's available memory"),
 ])
 def test_misused_flags_fail_at_once(args, env, message):
     proc = _launch(*args, env=env)
@@ -225,6 +230,15 @@ def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
     cases = [("2", ["--model", str(odd)], "num_attention_heads (3) is not divisible"),
              ("3", ["--model", str(kv)],
               "tensor-parallel size 3 is not a multiple of num_key_value_heads (2)"),
+             # every error the ranks find alike, before loading or once they agreed on the
+             # KV cache (an outside tester of the 24th session: each printed twice)
+             ("2", ["--block-size", "7"], "block_size must be one of"),
+             ("2", ["--dtype", "float8"], "unknown dtype 'float8'"),
+             ("2", ["--model", str(tmp_path / "gone")], "model folder not found"),
+             ("2", ["--num-kv-blocks", "4", "--max-model-len", "100"], "does not fit the KV cache"),
+             ("2", ["--num-kv-blocks", str(10 ** 11)], "does not fit the host's available memory"),
+             # (rank 1 alone allocates by max_num_seqs: the allocator's traceback before)
+             ("2", ["--max-num-seqs", str(10 ** 10)], "start-up ran out of memory on cpu"),
              ("2", ["--tp", "1"], "--tp 1 does not match the number of ranks started (2)")]
     for ranks, args, message in cases:
         proc = _launch("--nproc-per-node", ranks, "--device", "cpu", "--port", "0", *args)

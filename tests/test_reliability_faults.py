@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 pytest.register_assert_rewrite("tests.api_helpers")
-from tests.api_helpers import LiveServer, metric, wait_for  # noqa: E402
+from tests.api_helpers import LiveServer, metric, requests_total, wait_for  # noqa: E402
 from tests.proc_helpers import api_pid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,12 @@ def test_flaky_handler_fails_exactly_the_requests_of_failed_calls(tmp_path, monk
         assert wait_for(lambda: metric(server, "tapserve_custom_output_errors_total") == expected, 5), \
             (metric(server, "tapserve_custom_output_errors_total"), expected)
         assert wait_for(lambda: _idle(server), 5)
+        # every failed request counts as a 500, streamed (its response began as a 200) or
+        # not; the served ones and the last one as 200s (an outside tester of the 24th
+        # session: failed streams counted as served)
+        path = "/v1/completions"
+        assert requests_total(server, "500", path) == len(errors)
+        assert requests_total(server, "200", path) == len(results) - len(errors) + 1
     finally:
         _stop(server)
 
