@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from typing import NoReturn
 
@@ -34,6 +35,7 @@ DEMO_HEAD = "model.demo:DemoHead"
 # what a bad flag, checkpoint, tokenizer or custom module raises at start-up: one line, no
 # traceback (FileNotFoundError and the like are OSErrors; a corrupt JSON file a ValueError)
 STARTUP_ERRORS = (ValueError, OSError, HandlerLoadError)
+SILENT_EXIT_DELAY_S = 3.0  # once_per_node: how long a silent rank leaves local rank 0 to print
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,8 +156,12 @@ def once_per_node(message: str) -> str | int:
     """For SystemExit, a start-up error that every rank of a node finds alike (from the flags,
     the checkpoint or values the ranks agreed on): its message on local rank 0, a silent
     status 1 on the others, so it is printed once (each node's launcher shows its own
-    ranks' output)."""
-    return message if os.environ.get("LOCAL_RANK", "0") == "0" else 1
+    ranks' output). The others exit SILENT_EXIT_DELAY_S later: a launcher stops every rank
+    at the first one's exit, which must not come before local rank 0 has printed."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return message
+    time.sleep(SILENT_EXIT_DELAY_S)
+    return 1
 
 
 def exit_started_rank(message: str | int) -> NoReturn:
@@ -299,18 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--generation-config {args.generation_config!r}: auto, vllm, or a "
                          "folder holding a generation_config.json")
     if args.nproc_per_node is not None and not is_local_rank():
-        if args.nproc_per_node < 1 or args.prompt is not None:
-            raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")
-        if "RANK" in os.environ:
-            raise SystemExit("--nproc-per-node starts its own ranks: not under torchrun "
-                             "(use torchrun's --nproc-per-node alone)")
-        return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *sys.argv[1:]]
-                               if argv is None else [os.path.abspath(__file__), *argv])
-    try:
-        config = engine_config(args)
-        check_model(config)  # every rank finds a bad checkpoint or flag alike
-    except STARTUP_ERRORS as e:
-        raise SystemExit(once_per_node(str(e))) from None
+        return start_local_group(args, sys.argv[1:] if argv is None else argv)
+    config = checked_config(args)
     if args.prompt is not None:
         if int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp not in (None, 1):
             raise SystemExit("--prompt runs one process without tensor parallelism: leave out "
@@ -334,6 +330,33 @@ def main(argv: list[str] | None = None) -> int:
     except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
     return serve(args, config, tokenizer)
+
+
+def start_local_group(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--nproc-per-node N`: run this command as N local ranks, once the flags and the
+    checkpoint pass the checks every rank would make alike (so their errors print once)."""
+    if args.nproc_per_node < 1 or args.prompt is not None:
+        raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")
+    if "RANK" in os.environ:
+        raise SystemExit("--nproc-per-node starts its own ranks: not under torchrun "
+                         "(use torchrun's --nproc-per-node alone)")
+    config = checked_config(args)
+    try:
+        sampling_defaults(args.generation_config, config.model_dir())
+    except STARTUP_ERRORS as e:
+        raise SystemExit(str(e)) from None
+    return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *argv])
+
+
+def checked_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config from the flags, with the checkpoint's config checked against them:
+    every rank finds a bad flag or checkpoint alike, so its error is printed once per node."""
+    try:
+        config = engine_config(args)
+        check_model(config)
+    except STARTUP_ERRORS as e:
+        raise SystemExit(once_per_node(str(e))) from None
+    return config
 
 
 def check_before_loading(args: argparse.Namespace, config: EngineConfig):

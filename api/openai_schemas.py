@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from api.errors import invalid
 from api.tokenizer import ChatTemplateError, TextTokenizer
 
-_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # a logit_bias key: ASCII digits only (int() takes more)
+# a logit_bias key: ASCII digits only (int() takes more), at most 19 (int() refuses over 4300)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 
 class StrictModel(BaseModel):

@@ -105,6 +105,8 @@ class ModelRunner:
             load_weights(self.model, Path(cfg.model_dir), show_progress and tp.rank == 0)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
+        if self.num_blocks < 1:
+            raise RankAgreedError("KV cache budget is too small for a single block")
         if cfg.device.type == "cpu":
             self._check_host_memory(min_across_ranks(_host_memory_available()))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
@@ -140,10 +142,7 @@ class ModelRunner:
             budget = 2 * GiB
         # never more than every sequence at full length could use
         useful = self.cfg.max_num_seqs * -(-self.cfg.max_model_len // self.cfg.block_size) + 1
-        blocks = min(budget // self.block_bytes(), useful)
-        if blocks < 1:
-            raise ValueError("KV cache budget is too small for a single block")
-        return int(blocks)
+        return int(min(budget // self.block_bytes(), useful))  # (0: checked once agreed)
 
     def _check_host_memory(self, available: int) -> None:
         """A CPU KV cache must fit the host's available memory, with the caches of the node's

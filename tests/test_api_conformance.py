@@ -104,6 +104,7 @@ def test_ids_outside_the_vocabulary_and_min_tokens_are_605(http, model):
     for extra in ({"logit_bias": {"-1": 5}}, {"logit_bias": {str(10 ** 6): 5}},
                   {"logit_bias": {"5_0": 5}}, {"logit_bias": {" 5": 5}},
                   {"logit_bias": {"\u0663": 5}}, {"logit_bias": {"5": 1, "": 5}},
+                  {"logit_bias": {"9" * 5000: 5}},  # (beyond int()'s 4300 digits: was a 500)
                   {"stop_token_ids": [10 ** 6]}, {"min_tokens": 10}):
         _assert_605(http.post("/v1/completions", json={**base, **extra}), str(extra))
     assert http.post("/v1/completions", json={**base, "logit_bias": {"5": 1}}).status_code == 200
