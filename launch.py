@@ -134,7 +134,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        custom_module=None if custom == "none" else custom,
+        custom_module=custom,
         custom_output_reuse=args.custom_output_reuse, output_workers=args.output_workers,
         enforce_eager=args.enforce_eager, seed=args.seed,
         async_scheduling=args.async_scheduling)

@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: max_position_embeddings, capped to the KV cache
     enable_prefix_caching: bool = True
-    custom_module: str | None = None
+    custom_module: str | None = None  # None or "none" (as the flag spells it): no handler
     custom_output_reuse: str = "omit"
     output_workers: int = 0
     enforce_eager: bool = False
@@ -48,6 +48,8 @@ class EngineConfig:
     async_scheduling: bool | None = None  # None: on CUDA (coordinator/run_ahead.py)
 
     def __post_init__(self) -> None:
+        if self.custom_module == "none":
+            self.custom_module = None
         if self.custom_output_reuse not in ("omit", "recompute"):
             raise ValueError("custom_output_reuse must be omit or recompute")
         if not 0 <= self.output_workers <= MAX_OUTPUT_WORKERS:  # (each starts a thread pool)

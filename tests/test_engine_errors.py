@@ -172,3 +172,5 @@ def test_engine_config_errors_name_the_field(ckpt) -> None:
             make_llm(ckpt, **kwargs)
     with pytest.raises(FileNotFoundError, match="model folder"):
         EngineConfig(model="/nonexistent/tapserve-model").model_dir()
+    # the flag's spelling of "no handler" means the same in the Python API (it named a module)
+    assert EngineConfig(custom_module="none").custom_module is None
