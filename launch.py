@@ -177,8 +177,8 @@ def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int
     """Run this rank; tokenizer: rank 0's, from check_before_loading."""
     from coordinator.config import start_rank
     from model.layers import ParallelLayoutError
-    from ranks.runner import RankAgreedError
     from ranks.group import shutdown_distributed
+    from ranks.runner import RankAgreedError
     from ranks.worker import run_worker
 
     try:

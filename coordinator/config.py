@@ -134,10 +134,11 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
                          f"on GPUs), --max-num-seqs or --max-num-batched-tokens") from None
     capacity = runner.num_blocks * runner_cfg.block_size
     if config.max_model_len and config.max_model_len > capacity:  # (unset: the engine caps it)
-        raise RankAgreedError(f"--max-model-len {config.max_model_len} does not fit the KV cache, "
-                         f"{runner.num_blocks} blocks of {runner_cfg.block_size} tokens "
-                         f"({capacity}): give the cache more room (--kv-cache-memory, "
-                         f"--gpu-memory-utilization, --num-kv-blocks) or lower --max-model-len")
+        raise RankAgreedError(
+            f"--max-model-len {config.max_model_len} does not fit the KV cache, "
+            f"{runner.num_blocks} blocks of {runner_cfg.block_size} tokens ({capacity}): give "
+            f"the cache more room (--kv-cache-memory, --gpu-memory-utilization, "
+            f"--num-kv-blocks) or lower --max-model-len")
     return runner
 
 
