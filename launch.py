@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import NoReturn
+from contextlib import contextmanager
+from typing import Iterator, NoReturn
 
 from api.config import http_url
 from api.tokenizer import UnencodableTextError, check_unicode, names_a_file
@@ -38,8 +39,16 @@ STARTUP_ERRORS = (ValueError, OSError, HandlerLoadError)
 SILENT_EXIT_DELAY_S = 3.0  # once_per_node: how long a silent rank leaves local rank 0 to print
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A misused flag ends the start-up with one line (SystemExit(message), as every other
+    start-up error), not the usage block and status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise SystemExit(f"{self.prog}: error: {message} (--help lists the flags)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="tapserve: LLM serving with custom output heads")
+    p = _OneLineParser(description="tapserve: LLM serving with custom output heads")
     a = p.add_argument
     a("--model", help="checkpoint folder (default: the embedded demo model)")
     a("--tokenizer", help="tokenizer folder (default: the model folder)")
@@ -290,10 +299,32 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # `kill -USR1 <pid>`: every thread's Python stack to stderr, to diagnose a hung rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with errors_once_per_node():  # what fails before the ranks start fails alike on each
+        args = parse_args(argv)
+        started = prepare(args, argv)
+    if isinstance(started, int):  # the local group's or --prompt's exit status
+        return started
+    return serve(args, *started)
+
+
+@contextmanager
+def errors_once_per_node() -> Iterator[None]:
+    """A start-up error raised as SystemExit(message) before the ranks start, from the flags
+    or the node's files, is found alike by every rank of a node: once_per_node."""
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            raise SystemExit(once_per_node(e.code)) from None
+        raise
+
+
+def prepare(args: argparse.Namespace, argv: list[str] | None):
+    """Everything before the ranks start: the checks that need no model, then the local
+    group (--nproc-per-node) or --prompt (their exit status), else (config, tokenizer)."""
     if args.chat_template is not None:  # before any rank starts: a mistyped path fails here
         from api.tokenizer import chat_template_text, check_chat_template
         try:
@@ -322,14 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = None
     try:
         args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
-    except STARTUP_ERRORS as e:
-        raise SystemExit(once_per_node(str(e))) from None
-    try:
         if os.environ.get("RANK", "0") == "0":
             tokenizer = check_before_loading(args, config)
     except STARTUP_ERRORS as e:
         raise SystemExit(str(e)) from None
-    return serve(args, config, tokenizer)
+    return config, tokenizer
 
 
 def start_local_group(args: argparse.Namespace, argv: list[str]) -> int:
@@ -349,20 +377,20 @@ def start_local_group(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def checked_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's config from the flags, with the checkpoint's config checked against them:
-    every rank finds a bad flag or checkpoint alike, so its error is printed once per node."""
+    """The engine's config from the flags, with the checkpoint's config checked against them
+    (a SystemExit with the error's message)."""
     try:
         config = engine_config(args)
         check_model(config)
     except STARTUP_ERRORS as e:
-        raise SystemExit(once_per_node(str(e))) from None
+        raise SystemExit(str(e)) from None
     return config
 
 
 def check_before_loading(args: argparse.Namespace, config: EngineConfig):
     """Rank 0's start-up checks that need no model: the serving tokenizer loads (returned),
     the custom module is there, and the HTTP port is free."""
-    from api.tokenizer import TextTokenizer
+    from api.tokenizer import TextTokenizer, check_chat_template
     from model.custom_output import check_handler_spec
     folder = config.tokenizer or config.model_dir()
     try:
@@ -372,6 +400,10 @@ def check_before_loading(args: argparse.Namespace, config: EngineConfig):
     except Exception as e:  # the tokenizers library's parse errors name no file
         raise ValueError(f"the tokenizer in {folder} cannot be loaded (tokenizer.json, "
                          f"tokenizer_config.json): {e}") from None
+    if args.chat_template is None and tokenizer.chat_template:  # the checkpoint's own
+        check_chat_template(tokenizer.chat_template, f"the chat template in {folder} "
+                            f"(chat_template.jinja or tokenizer_config.json; --chat-template "
+                            f"overrides it)")
     if config.custom_module:
         check_handler_spec(config.custom_module)  # found, not imported: it is loaded once
     ipv6 = ":" in args.host

@@ -122,13 +122,13 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def check_chat_template(text: str) -> None:
+def check_chat_template(text: str, source: str = "--chat-template") -> None:
     """A ValueError for a template that does not compile (a start-up error, rather than a
-    605 on every chat request)."""
+    605 on every chat request); source: where the template came from, for the message."""
     try:
         _template_environment().from_string(text)
     except TemplateError as e:
-        raise ValueError(f"--chat-template does not compile: {e}") from None
+        raise ValueError(f"{source} does not compile: {e}") from None
 
 
 def names_a_file(override: str) -> bool:

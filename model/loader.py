@@ -49,7 +49,7 @@ def open_safetensors(path: Path, device: str = "cpu") -> Any:
     (truncated, corrupt), where safetensors' own message names no file."""
     try:
         return safe_open(str(path), framework="pt", device=device)
-    except SafetensorError as e:
+    except (SafetensorError, OSError) as e:  # (a folder by that name: "No such device")
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 

@@ -64,8 +64,12 @@ def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
 
 
 class RankAgreedError(ValueError):
-    """A start-up error that every rank finds alike, from the flags and the values the ranks
-    agreed on (the KV cache's size): launch.py prints it once per node, not once per rank."""
+    """A start-up error that every rank of a node finds alike, from the flags, the node's
+    checkpoint files, or the values the ranks agreed on (the KV cache's size): launch.py
+    prints it once per node, not once per rank."""
+
+
+HOST_HEADROOM_BYTES = GiB  # with a tenth of the available memory: weights, buffers, the API
 
 
 def _host_memory_available() -> int:
@@ -102,7 +106,10 @@ class ModelRunner:
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
         else:
-            load_weights(self.model, Path(cfg.model_dir), show_progress and tp.rank == 0)
+            try:
+                load_weights(self.model, Path(cfg.model_dir), show_progress and tp.rank == 0)
+            except (ValueError, OSError) as e:  # the node's checkpoint files: alike on each rank
+                raise RankAgreedError(str(e)) from None
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = min_across_ranks(self._count_kv_blocks())
         if self.num_blocks < 1:
@@ -150,11 +157,13 @@ class ModelRunner:
         memory overcommitted, the kernel's OOM killer ends a rank while it fills the cache."""
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         need = self.num_blocks * self.block_bytes() * ranks
-        if need > available:
+        room = available - HOST_HEADROOM_BYTES - available // 10  # the rest of the processes
+        if need > room:
             raise RankAgreedError(
                 f"the KV cache, {self.num_blocks} blocks ({need / GiB:.1f} GiB for {ranks} "
                 f"rank(s) on this host), does not fit the host's available memory "
-                f"({available / GiB:.1f} GiB): lower --kv-cache-memory or --num-kv-blocks")
+                f"({available / GiB:.1f} GiB, of which 1 GiB and a tenth are left to the "
+                f"processes): lower --kv-cache-memory or --num-kv-blocks")
 
     def _cuda_kv_budget(self) -> int:
         """Fraction of the GPU left after weights and a peak-activation profile run."""

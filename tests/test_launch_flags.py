@@ -137,6 +137,59 @@ def test_broken_checkpoints_and_modules_are_one_line_errors(tmp_path):
         assert "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
 
 
+def test_errors_every_rank_finds_alike_print_once_under_both_launchers(tmp_path):
+    """Under torchrun and `--nproc-per-node 2`, a start-up error from the flags or the node's
+    files prints once (local rank 0's), with no traceback; an outside tester of the 24th
+    session found the argparse, chat-template and generation-config errors, and those of
+    reading the weights, printed by every rank (and two ranks' lines run together)."""
+    import json
+    import shutil
+
+    from tests.checkpoints import make_tiny_checkpoint
+    good = make_tiny_checkpoint(tmp_path / "good", "qwen3", tokenizer=True)
+
+    def variant(name: str, change) -> str:
+        shutil.copytree(good, tmp_path / name)
+        change(tmp_path / name)
+        return str(tmp_path / name)
+
+    def drop_tensor(folder):  # a checkpoint missing one layer tensor
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(folder / "model.safetensors")
+        name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+        save_file({n: t for n, t in tensors.items() if n != name}, folder / "model.safetensors")
+
+    def bad_template(folder):  # the checkpoint's own chat template does not compile
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                  "chat_template": "{% for %}"}))
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+    cases = [
+        (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value"),
+        (["--chat-template", "{% for %}"], "--chat-template does not compile"),
+        (["--generation-config", str(tmp_path / "none")], "auto, vllm, or a folder"),
+        (["--model", variant("gen", lambda f: (f / "generation_config.json").write_text('{"a":'))],
+         "generation_config.json"),
+        (["--model", variant("weights", drop_tensor)], "down_proj"),
+        (["--model", variant("dir", lambda f: ((f / "model.safetensors").unlink(),
+                                                (f / "model.safetensors").mkdir()))],
+         "model.safetensors: not a readable safetensors file"),
+        (["--model", variant("template", bad_template)], "does not compile"),
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    for launcher in (torchrun, [sys.executable]):
+        for args, message in cases:
+            extra = [] if launcher is torchrun else ["--nproc-per-node", "2"]
+            proc = subprocess.run([*launcher, "launch.py", *extra, "--device", "cpu", "--port",
+                                   "0", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            # (torchrun adds its own failure report, with the failing rank's exit status)
+            ours = proc.stderr.split("Traceback")[0] if launcher is torchrun else proc.stderr
+            assert proc.returncode != 0 and ours.count(message) == 1, (args, proc.stderr[-3000:])
+            if launcher is not torchrun:
+                assert "Traceback" not in proc.stderr, (args, proc.stderr[-2000:])
+
+
 def test_local_ranks_run_one_openmp_thread(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     script = tmp_path / "rank.py"
