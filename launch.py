@@ -400,7 +400,7 @@ def check_before_loading(args: argparse.Namespace, config: EngineConfig):
     except Exception as e:  # the tokenizers library's parse errors name no file
         raise ValueError(f"the tokenizer in {folder} cannot be loaded (tokenizer.json, "
                          f"tokenizer_config.json): {e}") from None
-    if args.chat_template is None and tokenizer.chat_template:  # the checkpoint's own
+    if args.chat_template is None and isinstance(tokenizer.chat_template, str):  # its own
         check_chat_template(tokenizer.chat_template, f"the chat template in {folder} "
                             f"(chat_template.jinja or tokenizer_config.json; --chat-template "
                             f"overrides it)")
