@@ -236,7 +236,7 @@ def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
         return ()
     try:
         defaults = model_sampling_defaults(model_dir if choice == "auto" else choice)
-    except ValueError as e:  # json.JSONDecodeError included
+    except (ValueError, OSError) as e:  # json.JSONDecodeError included
         raise SystemExit(str(e)) from None
     return tuple(f"{name}={value}" for name, value in defaults.items())
 
@@ -351,8 +351,8 @@ def prepare(args: argparse.Namespace, argv: list[str] | None):
     # before the model loads: a bad generation_config.json, tokenizer, custom module or port
     # fails at once, not after minutes of loading
     tokenizer = None
+    args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
     try:
-        args.sampling_defaults = sampling_defaults(args.generation_config, config.model_dir())
         if os.environ.get("RANK", "0") == "0":
             tokenizer = check_before_loading(args, config)
     except STARTUP_ERRORS as e:
@@ -369,10 +369,7 @@ def start_local_group(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit("--nproc-per-node starts its own ranks: not under torchrun "
                          "(use torchrun's --nproc-per-node alone)")
     config = checked_config(args)
-    try:
-        sampling_defaults(args.generation_config, config.model_dir())
-    except STARTUP_ERRORS as e:
-        raise SystemExit(str(e)) from None
+    sampling_defaults(args.generation_config, config.model_dir())
     return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *argv])
 
 

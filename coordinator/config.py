@@ -13,7 +13,7 @@ from api.detokenizer import Decoder
 from coordinator.custom_outputs import build_handler
 from coordinator.engine import Engine, EngineOptions
 from coordinator.keepalive import PlanKeepalive
-from coordinator.output_dispatch import MAX_WORKERS as MAX_OUTPUT_WORKERS
+from coordinator.output_dispatch import check_workers as check_output_workers
 from coordinator.scheduler import SchedulerConfig
 from model.config import ModelConfig
 from model.layers import ParallelLayoutError, TPGroup
@@ -52,9 +52,7 @@ class EngineConfig:
             self.custom_module = None
         if self.custom_output_reuse not in ("omit", "recompute"):
             raise ValueError("custom_output_reuse must be omit or recompute")
-        if not 0 <= self.output_workers <= MAX_OUTPUT_WORKERS:  # (each starts a thread pool)
-            raise ValueError(f"output_workers must be in [0, {MAX_OUTPUT_WORKERS}], "
-                             f"got {self.output_workers}")
+        check_output_workers(self.output_workers)  # before any rank starts
         check_block_size_and_load_format(self.block_size, self.load_format)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -127,7 +125,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
     try:
         runner = ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
     except RuntimeError as e:  # (torch.OutOfMemoryError is one)
-        if not out_of_memory(e):
+        if not _out_of_memory(e):
             raise
         raise ValueError(f"start-up ran out of memory on {device} ({_allocation(e)}): lower "
                          f"--kv-cache-memory or --num-kv-blocks (--gpu-memory-utilization "
@@ -142,7 +140,7 @@ def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.de
     return runner
 
 
-def out_of_memory(e: RuntimeError) -> bool:
+def _out_of_memory(e: RuntimeError) -> bool:
     """Whether torch failed to allocate: CUDA's OutOfMemoryError, or the CPU allocator's
     RuntimeError (which has no class of its own)."""
     return isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)

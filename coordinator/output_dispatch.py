@@ -22,10 +22,15 @@ import numpy as np
 MAX_WORKERS = 64  # threads encoding rows: more than a host's cores buys nothing
 
 
+def check_workers(workers: int) -> None:
+    """ValueError unless 0 <= workers <= MAX_WORKERS (each worker starts a thread pool)."""
+    if not 0 <= workers <= MAX_WORKERS:
+        raise ValueError(f"output_workers must be in [0, {MAX_WORKERS}], got {workers}")
+
+
 class OutputDispatcher:
     def __init__(self, workers: int = 0):
-        if not 0 <= workers <= MAX_WORKERS:
-            raise ValueError(f"output workers must be in [0, {MAX_WORKERS}], got {workers}")
+        check_workers(workers)
         self.workers = workers
         self._shards = [ThreadPoolExecutor(1, thread_name_prefix=f"tapserve-output-{i}")
                         for i in range(workers)]
