@@ -8,6 +8,7 @@
 Rank 0 runs the coordinator and spawns the API process; other ranks run the worker loop.
 `--prompt TEXT` generates once offline and prints the result instead of serving.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,25 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, NoReturn
+from pathlib import Path
+from typing import NoReturn
 
-from api.config import http_url
-from api.tokenizer import UnencodableTextError, check_unicode, names_a_file
-from coordinator.config import EngineConfig, check_model
-from coordinator.custom_outputs import RequestError
-from model.custom_output import HandlerLoadError, names_a_module_file
-from ranks.local_group import STORE_ENV, is_local_rank, run_local_group
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-DEMO_HEAD = "model.demo:DemoHead"
+    runpy.run_path(str(Path(__file__).resolve().parents[0] / "_checkout.py"))
+
+from tapserve import checkout_entry
+from tapserve.api.config import http_url
+from tapserve.api.tokenizer import UnencodableTextError, check_unicode, names_a_file
+from tapserve.coordinator.config import EngineConfig, check_model
+from tapserve.coordinator.custom_outputs import RequestError
+from tapserve.model.custom_output import HandlerLoadError, names_a_module_file
+from tapserve.ranks.local_group import STORE_ENV, is_local_rank, run_local_group
+
+DEMO_HEAD = "tapserve.model.demo:DemoHead"
 # what a bad flag, checkpoint, tokenizer or custom module raises at start-up: one line, no
 # traceback (FileNotFoundError and the like are OSErrors; a corrupt JSON file a ValueError)
 STARTUP_ERRORS = (ValueError, OSError, HandlerLoadError)
@@ -53,14 +62,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", help="checkpoint folder (default: the embedded demo model)")
     a("--tokenizer", help="tokenizer folder (default: the model folder)")
     a("--served-model-name", help="model name in the API (default: folder name)")
-    a("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16")
+    a(
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, float16, bfloat16",
+    )
     a("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a("--load-format", default="safetensors", choices=["safetensors", "dummy"])
-    a("--tp", type=int, help="tensor-parallel size (default and only allowed value: the world size)")
-    a("--nproc-per-node", type=int, help="start this many tensor-parallel ranks on this node "
-                                         "(instead of torchrun; ranks/local_group.py)")
-    a("--custom-module", help="deployment head: path/to/file.py[:Class] or package.module:Class "
-                              "('none' disables the demo head)")
+    a(
+        "--tp",
+        type=int,
+        help="tensor-parallel size (default and only allowed value: the world size)",
+    )
+    a(
+        "--nproc-per-node",
+        type=int,
+        help="start this many tensor-parallel ranks on this node "
+        "(instead of torchrun; ranks/local_group.py)",
+    )
+    a(
+        "--custom-module",
+        help="deployment head: path/to/file.py[:Class] or package.module:Class "
+        "('none' disables the demo head)",
+    )
     a("--custom-output-reuse", default="omit", choices=["omit", "recompute"])
     a("--output-workers", type=int, default=0, help="custom-output dispatch threads (0 = serial)")
     a("--block-size", type=int, default=16)
@@ -71,27 +95,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-num-batched-tokens", type=int, default=8192)
     a("--max-model-len", type=int)
     a("--enforce-eager", action="store_true", help="no CUDA graphs")
-    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-      help="launch the next decode step before this one's sampled tokens reach the host "
-           "(default: on CUDA; docs/async_scheduling.md)")
+    a(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch the next decode step before this one's sampled tokens reach the host "
+        "(default: on CUDA; docs/async_scheduling.md)",
+    )
     a("--no-prefix-caching", action="store_true")
     a("--host", default="127.0.0.1")
     a("--port", type=int, default=8000)
-    a("--api-key", default=os.environ.get("TAPSERVE_API_KEY"),
-      help="Bearer key for every endpoint but /health (default: $TAPSERVE_API_KEY, which keeps "
-           "it off the command lines that ps shows)")
+    a(
+        "--api-key",
+        default=os.environ.get("TAPSERVE_API_KEY"),
+        help="Bearer key for every endpoint but /health (default: $TAPSERVE_API_KEY, which keeps "
+        "it off the command lines that ps shows)",
+    )
     a("--max-queued-requests", type=int, default=1024)
     a("--shutdown-timeout", type=float, default=10.0)
     a("--seed", type=int, default=0)
-    a("--chat-template", help="Jinja chat template file, or the template itself "
-                              "(default: the tokenizer's)")
-    a("--generation-config", default="auto",
-      help="sampling defaults for fields a request leaves out: auto (the model folder's "
-           "generation_config.json: temperature, top_k, top_p, min_p, repetition_penalty, as "
-           "vLLM, but not max_new_tokens), vllm (none: temperature 1, no top-k/top-p), or a "
-           "folder holding a generation_config.json")
-    a("--log-requests", action="store_true",
-      help="log each request's id, path, token counts, params and finish (never its text)")
+    a(
+        "--chat-template",
+        help="Jinja chat template file, or the template itself (default: the tokenizer's)",
+    )
+    a(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves out: auto (the model folder's "
+        "generation_config.json: temperature, top_k, top_p, min_p, repetition_penalty, as "
+        "vLLM, but not max_new_tokens), vllm (none: temperature 1, no top-k/top-p), or a "
+        "folder holding a generation_config.json",
+    )
+    a(
+        "--log-requests",
+        action="store_true",
+        help="log each request's id, path, token counts, params and finish (never its text)",
+    )
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
     args = p.parse_args(argv)
@@ -105,8 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp is not None and args.tp < 1:
         p.error(f"--tp must be at least 1, got {args.tp}")
     if args.api_key is not None and not args.api_key.strip():
-        p.error("--api-key (or $TAPSERVE_API_KEY) is empty (an unset variable?); leave it out "
-                "to serve without a key")
+        p.error(
+            "--api-key (or $TAPSERVE_API_KEY) is empty (an unset variable?); leave it out "
+            "to serve without a key"
+        )
     if args.max_queued_requests < 0:
         p.error(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not args.shutdown_timeout >= 0:  # (NaN too)
@@ -118,8 +159,10 @@ def absolute_paths(args: argparse.Namespace) -> None:
     """Paths given relative to where the launch ran, made absolute: the API process runs in
     the repository's folder (a relative --tokenizer or --chat-template failed there). A
     leading ~ is expanded too: `--model=~/x` reaches us unexpanded."""
+
     def absolute(path: str) -> str:
         return os.path.abspath(os.path.expanduser(path))
+
     for name in ("model", "tokenizer"):
         if getattr(args, name):
             setattr(args, name, absolute(getattr(args, name)))
@@ -137,24 +180,36 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if custom is None and args.model is None:
         custom = DEMO_HEAD  # the embedded demo model ships with its demo head
     return EngineConfig(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        load_format=args.load_format, block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         custom_module=custom,
-        custom_output_reuse=args.custom_output_reuse, output_workers=args.output_workers,
-        enforce_eager=args.enforce_eager, seed=args.seed,
-        async_scheduling=args.async_scheduling)
+        custom_output_reuse=args.custom_output_reuse,
+        output_workers=args.output_workers,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        async_scheduling=args.async_scheduling,
+    )
 
 
 def run_prompt(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coordinator.offline import LLM
-    from coordinator.sampling_params import SamplingParams
+    from tapserve.api.sampling_params import SamplingParams
+    from tapserve.coordinator.offline import LLM
+
     llm = LLM(config)
-    result = llm.generate([args.prompt], SamplingParams(max_new_tokens=args.max_new_tokens,
-                                                        temperature=0.0))[0]
+    result = llm.generate(
+        [args.prompt], SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    )[0]
     print(result.outputs[0].text)
     if result.custom_output is not None:
         print("custom_output:", result.custom_output.tolist())
@@ -177,18 +232,19 @@ def exit_started_rank(message: str | int) -> NoReturn:
     """End a rank whose start-up failed once its process group may have started: leave the
     group first (the interpreter's teardown of a live gloo group aborts now and then,
     "terminate called without an active exception", status 134), then SystemExit(message)."""
-    from ranks.group import shutdown_distributed
+    from tapserve.ranks.group import shutdown_distributed
+
     shutdown_distributed()
     raise SystemExit(message)
 
 
 def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int:
     """Run this rank; tokenizer: rank 0's, from check_before_loading."""
-    from coordinator.config import start_rank
-    from model.layers import ParallelLayoutError
-    from ranks.group import shutdown_distributed
-    from ranks.runner import RankAgreedError
-    from ranks.worker import run_worker
+    from tapserve.coordinator.config import start_rank
+    from tapserve.model.layers import ParallelLayoutError
+    from tapserve.ranks.group import shutdown_distributed
+    from tapserve.ranks.runner import RankAgreedError
+    from tapserve.ranks.worker import run_worker
 
     try:
         ctx, runner, channel = start_rank(config, args.tp)
@@ -205,7 +261,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int
             code = run_coordinator(args, config, engine, channel)
     except Exception:  # a collective may have failed: a hung peer would hold the exit again
         traceback.print_exc()  # in leaving the groups, or the interpreter's teardown of them,
-        sys.stderr.flush()     # for another whole peer timeout
+        sys.stderr.flush()  # for another whole peer timeout
         os._exit(1)
     shutdown_distributed()
     return code
@@ -216,8 +272,9 @@ def driver_engine(config: EngineConfig, runner, channel, tokenizer):
     with the stop plan and ends this one with its message. With a custom head, the API's
     tokenizer (checked before loading) serves rank 0 too: it detects the stop strings of
     LAST_GENERATED requests (coordinator/stop_strings.py)."""
-    from coordinator.config import build_engine, stop_group
-    from coordinator.loop import FAILED_STOP_SECONDS
+    from tapserve.coordinator.config import build_engine, stop_group
+    from tapserve.coordinator.loop import FAILED_STOP_SECONDS
+
     try:
         return build_engine(config, runner, channel, tokenizer if config.custom_module else None)
     except STARTUP_ERRORS as e:
@@ -231,7 +288,8 @@ def driver_engine(config: EngineConfig, runner, channel, tokenizer):
 def sampling_defaults(choice: str, model_dir) -> tuple[str, ...]:
     """--generation-config as ApiConfig.sampling_defaults ("name=value" entries); a bad
     generation_config.json ends the start-up with its message."""
-    from coordinator.sampling_params import model_sampling_defaults
+    from tapserve.coordinator.generation_defaults import model_sampling_defaults
+
     if choice == "vllm":
         return ()
     try:
@@ -246,49 +304,73 @@ def log_what_is_served(config: EngineConfig, engine) -> None:
     weights = "random weights (--load-format dummy)" if config.load_format == "dummy" else "weights"
     logging.getLogger("tapserve").info(
         "model %s (%s, %s %s), %s, TP %d, %d KV blocks of %d tokens, max_model_len %d, "
-        "custom head %s", runner.cfg.model_dir, runner.model_cfg.architecture,
-        str(runner.cfg.dtype).removeprefix("torch."), weights, runner.device, runner.tp.size,
-        runner.num_blocks, runner.cfg.block_size, engine.options.max_model_len,
-        config.custom_module or "none")
+        "custom head %s",
+        runner.cfg.model_dir,
+        runner.model_cfg.architecture,
+        str(runner.cfg.dtype).removeprefix("torch."),
+        weights,
+        runner.device,
+        runner.tp.size,
+        runner.num_blocks,
+        runner.cfg.block_size,
+        engine.options.max_model_len,
+        config.custom_module or "none",
+    )
 
 
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
-    from api.server import ApiConfig
-    from coordinator.loop import CoordinatorLoop, LoopSettings
+    from tapserve.api.server import ApiConfig
+    from tapserve.coordinator.loop import CoordinatorLoop, LoopSettings
+
     group_dir = os.path.dirname(os.environ.get(STORE_ENV, "")) or None  # local launcher's
     ipc_dir = tempfile.mkdtemp(prefix="tapserve-", dir=group_dir)  # 0700; the launcher removes
     # its group directory even when rank 0 is killed
     try:
         launcher = os.getppid() if "RANK" in os.environ else None  # torchrun or --nproc-per-node
-        loop = CoordinatorLoop(engine, LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests,
-                                                    launcher), channel, None)
+        loop = CoordinatorLoop(
+            engine,
+            LoopSettings(ipc_dir, args.shutdown_timeout, args.log_requests, launcher),
+            channel,
+            None,
+        )
         loop.install_signal_handlers()
         model_dir = config.model_dir()
         api = ApiConfig(
-            ipc_dir=ipc_dir, tokenizer=str(config.tokenizer or model_dir),
-            served_model_name=args.served_model_name or (os.path.basename(str(model_dir)) if args.model
-                                                         else "tapserve-demo"),
-            host=args.host, port=args.port, api_key=args.api_key,
-            max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
-            max_model_len=engine.options.max_model_len, chat_template=args.chat_template,
+            ipc_dir=ipc_dir,
+            tokenizer=str(config.tokenizer or model_dir),
+            served_model_name=args.served_model_name
+            or (os.path.basename(str(model_dir)) if args.model else "tapserve-demo"),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            max_num_seqs=args.max_num_seqs,
+            max_queued_requests=args.max_queued_requests,
+            max_model_len=engine.options.max_model_len,
+            chat_template=args.chat_template,
             sampling_defaults=args.sampling_defaults,
             eos_token_ids=tuple(engine.options.eos_token_ids),
             model_vocab_size=engine.runner.model_cfg.vocab_size,
             log_requests=args.log_requests,
-            parent_pid=os.getpid())  # not the API's own getppid(): rank 0 may be gone by then
+            parent_pid=os.getpid(),
+        )  # not the API's own getppid(): rank 0 may be gone by then
         # a session of its own: torchrun stops a worker with killpg, and that SIGTERM is
         # rank 0's (one drain); a signal sent to the API process itself is handed to rank 0
         # (api/lifecycle.py). Rank 0 stops it at the end, with its final wire message
-        loop.api_process = subprocess.Popen([sys.executable, "-m", "api.server", *api.to_argv()],
-                                            cwd=os.path.dirname(os.path.abspath(__file__)),
-                                            start_new_session=True)
+        loop.api_process = subprocess.Popen(
+            [*checkout_entry("api/server.py"), *api.to_argv()], start_new_session=True
+        )
         if args.sampling_defaults:
             logging.getLogger("tapserve").info(
                 "sampling defaults from the generation config: %s (--generation-config vllm "
-                "leaves them out)", ", ".join(args.sampling_defaults))
+                "leaves them out)",
+                ", ".join(args.sampling_defaults),
+            )
         log_what_is_served(config, engine)
-        where = http_url(args.host, args.port) if args.port else \
-            f"{args.host}, on the port that the API process logs (--port 0)"
+        where = (
+            http_url(args.host, args.port)
+            if args.port
+            else f"{args.host}, on the port that the API process logs (--port 0)"
+        )
         logging.getLogger("tapserve").info("serving on %s", where)
         return loop.run()
     finally:
@@ -326,22 +408,28 @@ def prepare(args: argparse.Namespace, argv: list[str] | None):
     """Everything before the ranks start: the checks that need no model, then the local
     group (--nproc-per-node) or --prompt (their exit status), else (config, tokenizer)."""
     if args.chat_template is not None:  # before any rank starts: a mistyped path fails here
-        from api.tokenizer import chat_template_text, check_chat_template
+        from tapserve.api.tokenizer import chat_template_text, check_chat_template
+
         try:
             check_chat_template(chat_template_text(args.chat_template))
         except (ValueError, OSError) as e:
             raise SystemExit(str(e)) from None
-    if args.generation_config not in ("auto", "vllm") \
-            and not os.path.isfile(os.path.join(args.generation_config, "generation_config.json")):
-        raise SystemExit(f"--generation-config {args.generation_config!r}: auto, vllm, or a "
-                         "folder holding a generation_config.json")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isfile(
+        os.path.join(args.generation_config, "generation_config.json")
+    ):
+        raise SystemExit(
+            f"--generation-config {args.generation_config!r}: auto, vllm, or a "
+            "folder holding a generation_config.json"
+        )
     if args.nproc_per_node is not None and not is_local_rank():
         return start_local_group(args, sys.argv[1:] if argv is None else argv)
     config = checked_config(args)
     if args.prompt is not None:
         if int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp not in (None, 1):
-            raise SystemExit("--prompt runs one process without tensor parallelism: leave out "
-                             "--tp and run it without torchrun (serve for TP > 1)")
+            raise SystemExit(
+                "--prompt runs one process without tensor parallelism: leave out "
+                "--tp and run it without torchrun (serve for TP > 1)"
+            )
         try:
             return run_prompt(args, config)
         except STARTUP_ERRORS as e:  # a config the model or the KV cache cannot honour
@@ -366,11 +454,13 @@ def start_local_group(args: argparse.Namespace, argv: list[str]) -> int:
     if args.nproc_per_node < 1 or args.prompt is not None:
         raise SystemExit("--nproc-per-node needs a value >= 1 and serves (no --prompt)")
     if "RANK" in os.environ:
-        raise SystemExit("--nproc-per-node starts its own ranks: not under torchrun "
-                         "(use torchrun's --nproc-per-node alone)")
+        raise SystemExit(
+            "--nproc-per-node starts its own ranks: not under torchrun "
+            "(use torchrun's --nproc-per-node alone)"
+        )
     config = checked_config(args)
     sampling_defaults(args.generation_config, config.model_dir())
-    return run_local_group(args.nproc_per_node, [os.path.abspath(__file__), *argv])
+    return run_local_group(args.nproc_per_node, [*checkout_entry("launch.py")[1:], *argv])
 
 
 def checked_config(args: argparse.Namespace) -> EngineConfig:
@@ -387,20 +477,26 @@ def checked_config(args: argparse.Namespace) -> EngineConfig:
 def check_before_loading(args: argparse.Namespace, config: EngineConfig):
     """Rank 0's start-up checks that need no model: the serving tokenizer loads (returned),
     the custom module is there, and the HTTP port is free."""
-    from api.tokenizer import TextTokenizer, check_chat_template
-    from model.custom_output import check_handler_spec
+    from tapserve.api.tokenizer import TextTokenizer, check_chat_template
+    from tapserve.model.custom_output import check_handler_spec
+
     folder = config.tokenizer or config.model_dir()
     try:
         tokenizer = TextTokenizer.from_dir(folder, args.chat_template)
     except FileNotFoundError as e:
         raise ValueError(f"the API needs a tokenizer: {e} (--tokenizer DIR)") from None
     except Exception as e:  # the tokenizers library's parse errors name no file
-        raise ValueError(f"the tokenizer in {folder} cannot be loaded (tokenizer.json, "
-                         f"tokenizer_config.json): {e}") from None
+        raise ValueError(
+            f"the tokenizer in {folder} cannot be loaded (tokenizer.json, "
+            f"tokenizer_config.json): {e}"
+        ) from None
     if args.chat_template is None and isinstance(tokenizer.chat_template, str):  # its own
-        check_chat_template(tokenizer.chat_template, f"the chat template in {folder} "
-                            f"(chat_template.jinja or tokenizer_config.json; --chat-template "
-                            f"overrides it)")
+        check_chat_template(
+            tokenizer.chat_template,
+            f"the chat template in {folder} "
+            f"(chat_template.jinja or tokenizer_config.json; --chat-template "
+            f"overrides it)",
+        )
     if config.custom_module:
         check_handler_spec(config.custom_module)  # found, not imported: it is loaded once
     ipv6 = ":" in args.host

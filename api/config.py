@@ -1,11 +1,12 @@
-"""ApiConfig: the API process's options and their command line (`python -m api.server ...`).
+"""ApiConfig: the API process's options and their command line (`api/server.py ...`).
 
 Rank 0 builds an ApiConfig and starts the API process with
-`subprocess.Popen([sys.executable, "-m", "api.server", *config.to_argv()])`; the process
+`subprocess.Popen([*checkout_entry("api/server.py"), *config.to_argv()])`; the process
 rebuilds the same ApiConfig with `ApiConfig.from_argv(sys.argv[1:])`. The API key never
 appears on the command line: `to_argv()` writes it to `{ipc_dir}/api_key` (mode 0600, inside
 the private 0700 ipc dir) and passes `--api-key-file`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 
-from coordinator.sampling_params import MODEL_DEFAULT_FIELDS
+from tapserve.api.sampling_params import MODEL_DEFAULT_FIELDS
 
 KEY_FILE = "api_key"
 
@@ -58,16 +59,20 @@ class ApiConfig:
         return http_url(self.host, self.port)
 
     def __post_init__(self) -> None:
-        checks = [("port", 0 <= self.port < 65536), ("max_model_len", self.max_model_len >= 2),
-                  ("max_num_seqs", self.max_num_seqs >= 1),
-                  ("max_queued_requests", self.max_queued_requests >= 0),
-                  ("max_body_bytes", self.max_body_bytes >= 1024), ("max_n", self.max_n >= 1),
-                  ("max_tokens", self.max_tokens is None or self.max_tokens >= 0),
-                  ("max_prompts", self.max_prompts >= 1)]
+        checks = [
+            ("port", 0 <= self.port < 65536),
+            ("max_model_len", self.max_model_len >= 2),
+            ("max_num_seqs", self.max_num_seqs >= 1),
+            ("max_queued_requests", self.max_queued_requests >= 0),
+            ("max_body_bytes", self.max_body_bytes >= 1024),
+            ("max_n", self.max_n >= 1),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0),
+            ("max_prompts", self.max_prompts >= 1),
+        ]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"ApiConfig.{name} is out of range: {getattr(self, name)!r}")
-        self.default_sampling  # a malformed entry fails here, not in a request
+        _ = self.default_sampling  # a malformed entry fails here, not in a request
 
     @cached_property
     def default_sampling(self) -> dict[str, float | int]:
@@ -88,8 +93,11 @@ class ApiConfig:
 
     @property
     def max_tokens_limit(self) -> int:
-        return self.max_model_len if self.max_tokens is None else min(self.max_tokens,
-                                                                      self.max_model_len)
+        return (
+            self.max_model_len
+            if self.max_tokens is None
+            else min(self.max_tokens, self.max_model_len)
+        )
 
     def to_argv(self) -> list[str]:
         """Command-line arguments for `python -m api.server` (writes the API key file)."""
@@ -117,7 +125,7 @@ class ApiConfig:
         return path
 
     @classmethod
-    def from_argv(cls, argv: list[str]) -> "ApiConfig":
+    def from_argv(cls, argv: list[str]) -> ApiConfig:
         args = vars(_parser().parse_args(argv))
         key_file = args.pop("api_key_file")
         if key_file:
@@ -129,24 +137,35 @@ class ApiConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m api.server",
-                                description="tapserve API process (started by rank 0)")
+    p = argparse.ArgumentParser(
+        prog="python -m api.server", description="tapserve API process (started by rank 0)"
+    )
     defaults = {f.name: f.default for f in fields(ApiConfig)}
     p.add_argument("--ipc-dir", required=True)
     p.add_argument("--tokenizer", required=True)
     for name in ("served_model_name", "host", "chat_template", "log_level"):
         p.add_argument("--" + name.replace("_", "-"), default=defaults[name])
-    for name in ("port", "max_model_len", "max_num_seqs", "max_queued_requests",
-                 "max_body_bytes", "max_n", "max_prompts", "model_vocab_size"):
+    for name in (
+        "port",
+        "max_model_len",
+        "max_num_seqs",
+        "max_queued_requests",
+        "max_body_bytes",
+        "max_n",
+        "max_prompts",
+        "model_vocab_size",
+    ):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     for name in ("max_tokens", "parent_pid"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     for name in ("health_timeout_s", "engine_timeout_s", "graceful_timeout_s"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
-    p.add_argument("--eos-token-ids", default=(),
-                   type=lambda text: tuple(int(t) for t in text.split(",") if t))
-    p.add_argument("--sampling-defaults", default=(),
-                   type=lambda text: tuple(t for t in text.split(",") if t))
+    p.add_argument(
+        "--eos-token-ids", default=(), type=lambda text: tuple(int(t) for t in text.split(",") if t)
+    )
+    p.add_argument(
+        "--sampling-defaults", default=(), type=lambda text: tuple(t for t in text.split(",") if t)
+    )
     p.add_argument("--log-requests", action="store_true")
     p.add_argument("--api-key", default=None, help="prefer --api-key-file or $TAPSERVE_API_KEY")
     p.add_argument("--api-key-file", default=None)

@@ -11,6 +11,7 @@ Stop strings: the first occurrence in the output text ends the sequence (finish_
 streaming, the last `max(len(stop)) - 1` characters are held back (unless the stop string is
 to be included) so a client never sees the start of a stop string that is later cut.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -27,8 +28,17 @@ _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4
 
 def _utf8_length(lead: int) -> int:
     """The bytes of the character a lead byte begins (0: not a lead byte)."""
-    return 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 \
-        else 4 if 0xF0 <= lead < 0xF5 else 0
+    return (
+        1
+        if lead < 0x80
+        else 2
+        if 0xC2 <= lead < 0xE0
+        else 3
+        if 0xE0 <= lead < 0xF0
+        else 4
+        if 0xF0 <= lead < 0xF5
+        else 0
+    )
 
 
 def _open_character_bytes(data: bytes) -> int:
@@ -64,15 +74,19 @@ class TextOffsets:
 
     def add(self, data: bytes) -> int:
         """The next token's offset, given its bytes (b"" for a token whose text is left out)."""
-        offset = self._chars + (bool(self._pending) and not self._owned and bool(data)
-                                and not self._continues(data[0]))
+        offset = self._chars + (
+            bool(self._pending) and not self._owned and bool(data) and not self._continues(data[0])
+        )
         for byte in data:
             self._add_byte(byte)
         return offset
 
     def _continues(self, byte: int) -> bool:
-        lo, hi = _SECOND_BYTE.get(self._pending[0], (0x80, 0xBF)) if len(self._pending) == 1 \
+        lo, hi = (
+            _SECOND_BYTE.get(self._pending[0], (0x80, 0xBF))
+            if len(self._pending) == 1
             else (0x80, 0xBF)
+        )
         return lo <= byte <= hi
 
     def _add_byte(self, byte: int) -> None:
@@ -98,7 +112,7 @@ def open_character_bytes(token_bytes: list[bytes]) -> bytes:
     """The bytes of a character that the last of these tokens leave unfinished (b"")."""
     tail = b"".join(token_bytes[-3:])
     opened = _open_character_bytes(tail)
-    return tail[len(tail) - opened:] if opened else b""
+    return tail[len(tail) - opened :] if opened else b""
 
 
 class Decoder(Protocol):
@@ -151,15 +165,20 @@ class StopChecker:
                 best = (pos, len(s))
         if best is None:
             return None
-        self.matched = text[best[0]:best[0] + best[1]]
+        self.matched = text[best[0] : best[0] + best[1]]
         return best[0] + best[1] if self.include_stop_str else best[0]
 
 
 class IncrementalDetokenizer:
     """Feed output token ids; read the text grown since the last read (`take_delta`)."""
 
-    def __init__(self, decoder: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True,
-                 stop: StopChecker | None = None):
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: StopChecker | None = None,
+    ):
         self.decoder = decoder
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or StopChecker()
@@ -219,7 +238,7 @@ class IncrementalDetokenizer:
             end, full = self._without_open_tail(end, full)  # give up waiting, mostly
         if len(full) <= len(prefix):
             return ""
-        new = full[len(prefix):]
+        new = full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, end
         if self._prefix_offset > 64:  # keep the window small
             drop = self._prefix_offset
@@ -228,7 +247,7 @@ class IncrementalDetokenizer:
         return new
 
     def _decode(self, end: int) -> str:
-        return self.decoder.decode(self._ids[self._prefix_offset:end], self.skip_special_tokens)
+        return self.decoder.decode(self._ids[self._prefix_offset : end], self.skip_special_tokens)
 
     def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
         """When giving up on held tokens: keep back the last of them if their bytes end in
@@ -273,15 +292,17 @@ class IncrementalDetokenizer:
             prefix, full = self._decode(self._read_offset), self._decode(end)
             if _open_character_bytes(b"".join(self._held_bytes(end))) and full.endswith("\ufffd"):
                 full = full[:-1]
-            self._append_last(full[len(prefix):] if len(full) > len(prefix) else "")
+            self._append_last(full[len(prefix) :] if len(full) > len(prefix) else "")
         self._read_offset = len(self._ids)
 
     def _held_bytes(self, end: int) -> list[bytes]:
         """Each held token's bytes (up to end) as the decoded text shows them: none for a
         special token it skips."""
         skipped = getattr(self.decoder, "special_ids", ()) if self.skip_special_tokens else ()
-        return [b"" if t in skipped else self.decoder.token_bytes(t)
-                for t in self._ids[self._read_offset:end]]
+        return [
+            b"" if t in skipped else self.decoder.token_bytes(t)
+            for t in self._ids[self._read_offset : end]
+        ]
 
     def _append_last(self, grown: str) -> None:
         """The last text of an ended sequence, credited to its last token."""
@@ -293,8 +314,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool = False) -> str:
         """Text not handed out yet; while not final, minus the stop-string hold-back."""
-        end = len(self.text) if final or self.stopped else max(self._sent,
-                                                                  len(self.text) - self.stop.hold)
-        delta = self.text[self._sent:end]
+        end = (
+            len(self.text)
+            if final or self.stopped
+            else max(self._sent, len(self.text) - self.stop.hold)
+        )
+        delta = self.text[self._sent : end]
         self._sent = end
         return delta

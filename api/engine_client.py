@@ -11,6 +11,7 @@ accepted=True (no tokens) or accepted=False + error_code + finished=True; later 
 tokens; the last has finished=True. Request ids are unique for the server's lifetime
 (a random per-start prefix plus a counter).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,15 +19,15 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Callable
 
 import msgpack
 import zmq
 import zmq.asyncio
 
-from api import wire
+from tapserve.api import wire
 
 log = logging.getLogger("tapserve.api")
 
@@ -41,7 +42,8 @@ def _encode(request: wire.AddRequest) -> bytes:
     try:
         return wire.encode(request)
     except _UNENCODABLE as e:
-        from api.errors import invalid
+        from tapserve.api.errors import invalid
+
         param = _unencodable_field(request)
         if isinstance(e, UnicodeEncodeError):  # a lone surrogate in a stop string, say
             why = f"it holds text that is not valid Unicode ({e.reason})"
@@ -55,8 +57,10 @@ def _encode(request: wire.AddRequest) -> bytes:
 def _unencodable_field(request: wire.AddRequest) -> str | None:
     """The first of custom_output_params and the sampling fields (stop, seed, logit_bias...)
     that msgpack refuses, by its request name; None if each packs alone."""
-    fields = [("custom_output_params", request.custom_output_params),
-              *request.sampling_params.items()]
+    fields = [
+        ("custom_output_params", request.custom_output_params),
+        *request.sampling_params.items(),
+    ]
     for name, value in fields:
         try:
             msgpack.packb(value, use_bin_type=True)
@@ -86,7 +90,8 @@ class RequestGroup:
 
     `accepted()` waits for every request's accept-or-reject answer; `batches()` then yields
     the RequestOutputs of all of them, in arrival order, until each is finished."""
-    client: "EngineClient"
+
+    client: EngineClient
     request_ids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: set[str] = field(default_factory=set)
@@ -103,9 +108,11 @@ class RequestGroup:
                 waiting.discard(out.request_id)
                 if not out.accepted or out.error_code is not None:
                     self.finished.add(out.request_id)
-                    error = error or EngineError(out.error_code or wire.EXECUTION_EXCEPTION,
-                                                 out.error_message or "request rejected",
-                                                 out.error_param)
+                    error = error or EngineError(
+                        out.error_code or wire.EXECUTION_EXCEPTION,
+                        out.error_message or "request rejected",
+                        out.error_param,
+                    )
                     continue
                 if out.engine_stop_strings:
                     self.engine_stop_strings.add(out.request_id)
@@ -160,9 +167,13 @@ class RequestGroup:
 class EngineClient:
     """Connects to the coordinator; one reader task; per-request routing."""
 
-    def __init__(self, ipc_dir: str, on_stats: Callable[[wire.EngineStats], None] = lambda s: None,
-                 on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None,
-                 on_stopped: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        ipc_dir: str,
+        on_stats: Callable[[wire.EngineStats], None] = lambda s: None,
+        on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None,
+        on_stopped: Callable[[], None] = lambda: None,
+    ):
         """on_stopped: called once the engine says it has stopped (wire.Shutdown, stopped)."""
         self.ipc_dir = ipc_dir
         self.on_stats, self.on_outputs, self.on_stopped = on_stats, on_outputs, on_stopped
@@ -202,8 +213,11 @@ class EngineClient:
 
     def healthy(self, timeout_s: float) -> bool:
         """The coordinator spoke within `timeout_s` seconds and is not shutting down."""
-        return (not self.shutting_down and self.last_message_time is not None
-                and time.monotonic() - self.last_message_time < timeout_s)
+        return (
+            not self.shutting_down
+            and self.last_message_time is not None
+            and time.monotonic() - self.last_message_time < timeout_s
+        )
 
     @property
     def num_in_flight(self) -> int:

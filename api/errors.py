@@ -6,6 +6,7 @@ string such as "605_INVALID_PARAMS". Native endpoints: `{"error_code": 605,
 605 -> 400 and 606 -> 500; HTTP-level errors (401, 404, 413, 503) carry their status as the
 native error_code.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,20 +18,34 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from api.wire import ERROR_NAMES, EXECUTION_EXCEPTION, INVALID_PARAMS
+from tapserve.api.wire import ERROR_NAMES, EXECUTION_EXCEPTION, INVALID_PARAMS
 
 _STATUS_OF_CODE = {INVALID_PARAMS: 400, EXECUTION_EXCEPTION: 500}
-_NAMES = {**ERROR_NAMES, 400: "400_BAD_REQUEST", 401: "401_UNAUTHORIZED", 404: "404_NOT_FOUND",
-          405: "405_METHOD_NOT_ALLOWED", 413: "413_REQUEST_TOO_LARGE",
-          500: "500_INTERNAL_ERROR", 503: "503_SERVICE_UNAVAILABLE"}
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
-          503: "service_unavailable_error"}
+_NAMES = {
+    **ERROR_NAMES,
+    400: "400_BAD_REQUEST",
+    401: "401_UNAUTHORIZED",
+    404: "404_NOT_FOUND",
+    405: "405_METHOD_NOT_ALLOWED",
+    413: "413_REQUEST_TOO_LARGE",
+    500: "500_INTERNAL_ERROR",
+    503: "503_SERVICE_UNAVAILABLE",
+}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable_error",
+}
 
 
 @dataclass
 class ApiError(Exception):
     """An error answer: `code` is an engine code (605/606) or an HTTP status."""
+
     code: int
     message: str
     param: str | None = None
@@ -50,8 +65,14 @@ class ApiError(Exception):
         return _NAMES.get(self.code, f"{self.code}_ERROR")
 
     def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "internal_error"),
-                          "param": self.param, "code": self.code_str}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "internal_error"),
+                "param": self.param,
+                "code": self.code_str,
+            }
+        }
 
     def native_body(self) -> dict:
         return {"error_code": self.code, "error_code_str": self.code_str, "message": self.message}
@@ -97,8 +118,9 @@ _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|[a-z-]+\[.*)$")
 
 
 def _field_name(loc: tuple) -> str:
-    parts = [str(p) for p in loc
-             if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.match(p))]
+    parts = [
+        str(p) for p in loc if p != "body" and not (isinstance(p, str) and _UNION_MEMBER.match(p))
+    ]
     return ".".join(parts) or "body"
 
 
@@ -110,11 +132,14 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     first = errors[0]
     name = _field_name(tuple(first.get("loc", ())))
     if first.get("type") == "string_unicode" and name == "body":  # a field name, say
-        return invalid("the request body holds a string that is not valid Unicode (a lone "
-                       "surrogate escape)", None)
+        return invalid(
+            "the request body holds a string that is not valid Unicode (a lone surrogate escape)",
+            None,
+        )
     if name == "body":
-        return invalid("the request body must be a JSON object sent with "
-                       "Content-Type: application/json", None)
+        return invalid(
+            "the request body must be a JSON object sent with Content-Type: application/json", None
+        )
     if first.get("type") == "extra_forbidden":
         return invalid(f"unsupported field '{name}'", name)
     if first.get("type") == "json_invalid":
@@ -137,13 +162,15 @@ def install_handlers(app) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # a body FastAPI could not parse (e.g. invalid UTF-8)
-            return error_response(invalid(f"request body could not be read: {exc.detail}"),
-                                  request.url.path)
+            return error_response(
+                invalid(f"request body could not be read: {exc.detail}"), request.url.path
+            )
         return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # a bug of ours: still the envelope (Starlette re-raises it afterwards, and uvicorn
         # logs the traceback)
-        return error_response(ApiError(500, f"internal server error ({type(exc).__name__})"),
-                              request.url.path)
+        return error_response(
+            ApiError(500, f"internal server error ({type(exc).__name__})"), request.url.path
+        )

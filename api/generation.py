@@ -8,25 +8,31 @@ request is aborted. When the coordinator detects the request's stop strings itse
 (`engine_stop_strings`: it scores the last kept token, LAST_GENERATED), a cut choice instead
 waits for its sequence's final output, which carries the value. Engine errors after the accept answer raise EngineError.
 """
+
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from api import wire
-from api.detokenizer import (IncrementalDetokenizer, StopChecker, TextOffsets,
-                             open_character_bytes)
-from api.engine_client import EngineError, RequestGroup
-from api.metrics import ApiMetrics
-from api.tokenizer import TextTokenizer
-from api.values import encode_value
-from coordinator.sampling_params import SamplingParams
+from tapserve.api import wire
+from tapserve.api.detokenizer import (
+    IncrementalDetokenizer,
+    StopChecker,
+    TextOffsets,
+    open_character_bytes,
+)
+from tapserve.api.engine_client import EngineError, RequestGroup
+from tapserve.api.metrics import ApiMetrics
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.tokenizer import TextTokenizer
+from tapserve.api.values import encode_value
 
 
 @dataclass
 class ChoiceDelta:
     """What one choice gained from one engine output."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -40,7 +46,7 @@ class ChoiceDelta:
 @dataclass
 class Choice:
     index: int
-    prompt: "PromptState"
+    prompt: PromptState
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -105,7 +111,8 @@ class PromptState:
 
     def all_done(self) -> bool:
         return len(self.choices) >= self.num_choices and all(
-            c.finish_reason for c in self.choices.values())
+            c.finish_reason for c in self.choices.values()
+        )
 
 
 def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
@@ -114,9 +121,13 @@ def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
     for d in deltas:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs),
-                                      top_logprobs=list(d.top_logprobs),
-                                      text_offsets=list(d.text_offsets))
+            merged[d.index] = replace(
+                d,
+                token_ids=list(d.token_ids),
+                logprobs=list(d.logprobs),
+                top_logprobs=list(d.top_logprobs),
+                text_offsets=list(d.text_offsets),
+            )
             continue
         m.text += d.text
         m.token_ids += d.token_ids
@@ -131,9 +142,14 @@ def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
 class Generation:
     """Applies a group's RequestOutputs; `choices()` lists all choices in index order."""
 
-    def __init__(self, tokenizer: TextTokenizer, group: RequestGroup,
-                 prompts: list[tuple[list[int], SamplingParams]], metrics: ApiMetrics | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        group: RequestGroup,
+        prompts: list[tuple[list[int], SamplingParams]],
+        metrics: ApiMetrics | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
         self.eos_token_ids = eos_token_ids
         # the model's own EOS as vLLM takes it, the tokenizer's (None without one): the only
@@ -169,12 +185,18 @@ class Generation:
     def _choice(self, state: PromptState, seq_index: int) -> Choice:
         if seq_index not in state.choices:
             p = state.params
-            detok = IncrementalDetokenizer(self.tokenizer, state.prompt_ids, p.skip_special_tokens,
-                                           StopChecker(p.stop, p.include_stop_str_in_output,
-                                                       p.min_tokens))
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                state.prompt_ids,
+                p.skip_special_tokens,
+                StopChecker(p.stop, p.include_stop_str_in_output, p.min_tokens),
+            )
             state.choices[seq_index] = Choice(
-                state.first_index + seq_index, state, detok,
-                offset_counter=TextOffsets(self._open_prompt_bytes(state.prompt_ids, p)))
+                state.first_index + seq_index,
+                state,
+                detok,
+                offset_counter=TextOffsets(self._open_prompt_bytes(state.prompt_ids, p)),
+            )
         return state.choices[seq_index]
 
     def _apply_sequence(self, state: PromptState, seq: wire.SequenceOutput) -> ChoiceDelta | None:
@@ -188,14 +210,15 @@ class Generation:
         # token, not by the finish: a sequence whose last token is scored (LAST_GENERATED)
         # finishes in a later output. Sampling bans both before min_tokens, so one is last.
         hidden = int(p.hides_last(ids, self.eos_token_ids))
-        used = choice.detok.add_tokens(ids[:len(ids) - hidden])
+        used = choice.detok.add_tokens(ids[: len(ids) - hidden])
         if hidden and not choice.detok.stopped:
             used += 1
             choice.detok.drop_held()
         delta = ChoiceDelta(choice.index, token_ids=seq.new_token_ids[:used])
         if p.logprobs:  # (text_offset is only sent with logprobs)
-            delta.text_offsets = [choice.offset_counter.add(self._shown_bytes(t, p))
-                                  for t in delta.token_ids]
+            delta.text_offsets = [
+                choice.offset_counter.add(self._shown_bytes(t, p)) for t in delta.token_ids
+            ]
             choice.offsets += delta.text_offsets
         if seq.new_logprobs:
             delta.logprobs = seq.new_logprobs[:used]
@@ -251,8 +274,11 @@ class Generation:
             if choice.finish_reason is None:
                 choice.detok.finish()
                 choice.finish_reason = "length"
-                deltas.append(ChoiceDelta(choice.index, text=choice.detok.take_delta(True),
-                                          finish_reason="length"))
+                deltas.append(
+                    ChoiceDelta(
+                        choice.index, text=choice.detok.take_delta(True), finish_reason="length"
+                    )
+                )
         return deltas
 
     def _observe(self, deltas: list[ChoiceDelta]) -> None:
@@ -280,8 +306,7 @@ class Generation:
         """Yield lists of choice deltas until the group is done (async generator); outputs
         that queued up meanwhile are merged into one delta per choice."""
         async for batch in self.group.batches():
-            deltas = [d for out in batch if out.request_id in self.prompts
-                      for d in self.apply(out)]
+            deltas = [d for out in batch if out.request_id in self.prompts for d in self.apply(out)]
             yield _merge(deltas) if len(batch) > 1 else deltas
 
     def prompt_of(self, index: int) -> PromptState:
@@ -322,5 +347,9 @@ class Generation:
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

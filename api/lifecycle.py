@@ -14,6 +14,7 @@ ENGINE_SILENT_SECONDS: a wedged rank 0 cannot hold this process (nor can one in 
 long: a repeat asks to stop now anyway). The requests in flight then get their final answer,
 a 503, at once; a further SIGINT forces the exit, as uvicorn's second Ctrl-C.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,15 +23,15 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 import uvicorn
 import zmq
 
-from api import wire
-from api.config import KEY_FILE, ApiConfig
-from api.engine_client import ENGINE_DOWN, EngineClient, EngineError
+from tapserve.api import wire
+from tapserve.api.config import KEY_FILE, ApiConfig
+from tapserve.api.engine_client import ENGINE_DOWN, EngineClient, EngineError
 
 log = logging.getLogger("tapserve.api")
 ENGINE_SILENT_SECONDS = 3.0  # rank 0 sends stats every second, while it drains too
@@ -54,8 +55,7 @@ class Lifecycle:
         self._client, self._loop = client, asyncio.get_running_loop()
         client.on_stopped = lambda: self.stop_serving()
         if self._pending is not None:
-            log.info("signal %d came while starting: asking the engine to drain",
-                     self._pending[0])
+            log.info("signal %d came while starting: asking the engine to drain", self._pending[0])
             self._request_drain(client, *self._pending)
 
     def detach(self) -> None:
@@ -78,12 +78,14 @@ class Lifecycle:
             return False
         heard = max(client.last_message_time or 0.0, self._first_signal_at)
         if repeat and now - heard >= ENGINE_SILENT_SECONDS:
-            log.error("signal %d: the engine has been silent for %.0f s or more; stopping",
-                      signum, ENGINE_SILENT_SECONDS)
+            log.error(
+                "signal %d: the engine has been silent for %.0f s or more; stopping",
+                signum,
+                ENGINE_SILENT_SECONDS,
+            )
             loop.call_soon_threadsafe(self._give_up, client, signum, now)
             return False
-        log.info("signal %d: asking the engine to drain (it stops this process when done)",
-                 signum)
+        log.info("signal %d: asking the engine to drain (it stops this process when done)", signum)
         loop.call_soon_threadsafe(self._request_drain, client, signum, now)  # not in a handler
         return True
 
@@ -134,8 +136,11 @@ async def watchdog(config: ApiConfig, client: EngineClient, lifecycle: Lifecycle
             lifecycle.stop_serving()
             return
         last = client.last_message_time
-        if client.num_in_flight and last is not None \
-                and time.monotonic() - last > config.engine_timeout_s:
+        if (
+            client.num_in_flight
+            and last is not None
+            and time.monotonic() - last > config.engine_timeout_s
+        ):
             client.fail_all(EngineError(ENGINE_DOWN, "the engine stopped answering"))
 
 

@@ -5,19 +5,39 @@ end-to-end latency); engine-side series (running / waiting requests, KV blocks, 
 hit rate, custom-output calls and errors) are exported from the coordinator's latest
 EngineStats message by a collector, so they are exactly the engine's numbers.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from api.wire import EngineStats
+from tapserve.api.wire import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class EngineStatsCollector(Collector):
@@ -35,19 +55,28 @@ class EngineStatsCollector(Collector):
             "tapserve_kv_blocks_total": ("KV cache blocks in all", s.kv_blocks_total),
             "tapserve_prefix_cache_hit_rate": (
                 "Prefix cache hits / queries (tokens), since start",
-                s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
+                s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "tapserve_prefix_cache_queries": ("Prefix cache queries (tokens)", s.prefix_cache_queries),
+            "tapserve_prefix_cache_queries": (
+                "Prefix cache queries (tokens)",
+                s.prefix_cache_queries,
+            ),
             "tapserve_prefix_cache_hits": ("Prefix cache hits (tokens)", s.prefix_cache_hits),
             "tapserve_custom_output_calls": ("Custom output handler calls", s.custom_output_calls),
-            "tapserve_custom_output_errors": ("Custom output handler errors", s.custom_output_errors),
+            "tapserve_custom_output_errors": (
+                "Custom output handler errors",
+                s.custom_output_errors,
+            ),
             "tapserve_engine_steps": ("Engine steps that ran a forward", s.engine_steps),
             "tapserve_engine_steps_ahead": (
                 "Engine steps launched before the previous step's tokens reached the host "
-                "(asynchronous scheduling)", s.engine_steps_ahead),
+                "(asynchronous scheduling)",
+                s.engine_steps_ahead,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -59,19 +88,39 @@ class ApiMetrics:
     def __init__(self, get_stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tapserve_requests", "HTTP generation requests by final status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "tapserve_requests",
+            "HTTP generation requests by final status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("tapserve_prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("tapserve_generation_tokens", "Tokens generated",
-                                         registry=r)
-        self.ttft = Histogram("tapserve_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("tapserve_inter_token_latency_seconds",
-                             "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("tapserve_e2e_request_latency_seconds", "Request latency",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("tapserve_api_requests_in_flight",
-                               "Engine requests the API process waits on", registry=r)
+        self.generation_tokens = Counter(
+            "tapserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "tapserve_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tapserve_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tapserve_e2e_request_latency_seconds",
+            "Request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "tapserve_api_requests_in_flight",
+            "Engine requests the API process waits on",
+            registry=r,
+        )
         r.register(EngineStatsCollector(get_stats))
 
     def render(self) -> bytes:

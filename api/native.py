@@ -15,22 +15,24 @@ final event with `finished: true` (no `[DONE]`).
 prefill-only scoring request (max_new_tokens = 0), all sent at once so they share prefill
 batches; `outputs` holds one entry per prompt, in order: the value, or that prompt's error.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from api.errors import ApiError, invalid
-from api.generation import Choice, Generation
-from api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
-from api.state import AppState, race_disconnect, sse
-from api.values import encode_value, finite_logprob
-from coordinator.sampling_params import SamplingParams
+from tapserve.api.errors import ApiError, invalid
+from tapserve.api.generation import Choice, Generation
+from tapserve.api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.state import AppState, race_disconnect, sse
+from tapserve.api.values import encode_value, finite_logprob
 
 
 class GenerateConfig(StrictModel):
@@ -66,8 +68,9 @@ class GenerateConfig(StrictModel):
         if self.num_beams > 1 and (self.num_return_sequences or 1) > self.num_beams:
             raise invalid("num_return_sequences must be <= num_beams", "num_return_sequences")
         if self.num_beams > 1 and self.do_sample:
-            raise invalid("do_sample with num_beams > 1 (beam sampling) is not supported",
-                          "do_sample")
+            raise invalid(
+                "do_sample with num_beams > 1 (beam sampling) is not supported", "do_sample"
+            )
 
     @property
     def listed(self) -> bool:
@@ -78,23 +81,36 @@ class GenerateConfig(StrictModel):
         """SamplingParams' fields (max_new_tokens: the request's, resolved); a 605 naming
         min_new_tokens when it exceeds it (SamplingParams would name its min_tokens)."""
         if self.min_new_tokens > max_new_tokens:
-            raise invalid(f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens} "
-                          f"> {max_new_tokens}", "min_new_tokens")
+            raise invalid(
+                f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens} "
+                f"> {max_new_tokens}",
+                "min_new_tokens",
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         beams = self.num_beams > 1
-        optional = {"temperature": 0.0 if self.do_sample is False else self.temperature,
-                    "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
-                    "repetition_penalty": self.repetition_penalty}
+        optional = {
+            "temperature": 0.0 if self.do_sample is False else self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
         return {
             **{name: value for name, value in optional.items() if value is not None},
-            "max_new_tokens": max_new_tokens, "min_tokens": self.min_new_tokens,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "max_new_tokens": max_new_tokens,
+            "min_tokens": self.min_new_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "n": self.num_beams if beams else (self.num_return_sequences or 1),
-            "num_beams": self.num_beams, "length_penalty": self.length_penalty,
+            "num_beams": self.num_beams,
+            "length_penalty": self.length_penalty,
             "stop": stop + list(self.stop_words_str or []),
-            "stop_token_ids": list(self.stop_token_ids or []), "seed": self.seed,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output}
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
 
 
 class GenerateRequest(StrictModel):
@@ -139,10 +155,15 @@ def _one_source(body: Any) -> None:
 def _generate_ids(state: AppState, body: GenerateRequest) -> list[int]:
     _one_source(body)
     if body.messages is not None:
-        return state.prompt_ids(ChatTemplateFields().render(state.tokenizer, body.messages), "messages",
-                                add_special_tokens=False)
-    return state.prompt_ids(body.prompt if body.prompt is not None else body.input_ids,
-                            "prompt" if body.prompt is not None else "input_ids")
+        return state.prompt_ids(
+            ChatTemplateFields().render(state.tokenizer, body.messages),
+            "messages",
+            add_special_tokens=False,
+        )
+    return state.prompt_ids(
+        body.prompt if body.prompt is not None else body.input_ids,
+        "prompt" if body.prompt is not None else "input_ids",
+    )
 
 
 # ---- /generate answers -------------------------------------------------------------------
@@ -151,11 +172,12 @@ class _Answer:
 
     def __init__(self, body: GenerateRequest, generation: Generation, start: float):
         self.cfg, self.body, self.gen, self.start = body.generate_config, body, generation, start
-        self.count = self.cfg.num_return_sequences or (self.cfg.num_beams if self.cfg.num_beams > 1
-                                                       else 1)
+        self.count = self.cfg.num_return_sequences or (
+            self.cfg.num_beams if self.cfg.num_beams > 1 else 1
+        )
 
     def _pick(self, values: list) -> Any:
-        return values[:self.count] if self.cfg.listed else (values[0] if values else None)
+        return values[: self.count] if self.cfg.listed else (values[0] if values else None)
 
     def final(self, deltas: list | None = None) -> dict:
         """The whole answer; for a stream's last event (`deltas` given), `response` holds only
@@ -166,9 +188,12 @@ class _Answer:
         else:
             by_index = {d.index: d.text for d in deltas}
             texts = [by_index.get(c.index, "") for c in choices]
-        out: dict[str, Any] = {"response": self._pick(texts), "finished": True,
-                               "finish_reason": self._pick([c.finish_reason for c in choices])}
-        out.update(self._value(len(choices[:self.count])))
+        out: dict[str, Any] = {
+            "response": self._pick(texts),
+            "finished": True,
+            "finish_reason": self._pick([c.finish_reason for c in choices]),
+        }
+        out.update(self._value(len(choices[: self.count])))
         if self.cfg.return_output_ids:
             out["output_ids"] = self._pick([c.token_ids for c in choices])
         if self.cfg.return_aux_info:
@@ -185,9 +210,12 @@ class _Answer:
         return {"custom_output": values[:count] if self.cfg.listed else values[0]}
 
     def _aux(self, c: Choice, choices: list[Choice]) -> dict:
-        aux = {"input_len": len(c.prompt.prompt_ids), "output_len": len(c.token_ids),
-               "reuse_len": c.prompt.num_cached_tokens,
-               "cost_time_ms": round((time.monotonic() - self.start) * 1000, 3)}
+        aux = {
+            "input_len": len(c.prompt.prompt_ids),
+            "output_len": len(c.token_ids),
+            "reuse_len": c.prompt.num_cached_tokens,
+            "cost_time_ms": round((time.monotonic() - self.start) * 1000, 3),
+        }
         if self.cfg.num_beams > 1:
             aux["cum_log_probs"] = finite_logprob(c.cumulative_logprob)  # (-inf: -9999.0)
             aux["beam_responses"] = [x.text for x in choices]
@@ -197,8 +225,9 @@ class _Answer:
         texts = {d.index: d.text for d in deltas}
         if not any(texts.values()) and not any(d.token_ids for d in deltas):
             return None
-        response = [texts.get(i, "") for i in range(self.count)] if self.cfg.listed \
-            else texts.get(0, "")
+        response = (
+            [texts.get(i, "") for i in range(self.count)] if self.cfg.listed else texts.get(0, "")
+        )
         return {"response": response, "finished": False, **self._value(self.count)}
 
 
@@ -219,8 +248,9 @@ def _score_params(body: CustomOutputRequest) -> list[dict | None]:
     cop = body.custom_output_params
     if isinstance(cop, list):
         if len(cop) != len(body.prompts):
-            raise invalid("custom_output_params must have one entry per prompt",
-                          "custom_output_params")
+            raise invalid(
+                "custom_output_params must have one entry per prompt", "custom_output_params"
+            )
         return cop
     return [cop] * len(body.prompts)
 
@@ -236,8 +266,9 @@ def _score_ids(state: AppState, prompts: list[str | list[int]]) -> list[list[int
     return out
 
 
-def _submit_score(state: AppState, request: Request, ids: list[int],
-                  cop: dict | None) -> Generation | dict:
+def _submit_score(
+    state: AppState, request: Request, ids: list[int], cop: dict | None
+) -> Generation | dict:
     """One prompt's scoring request sent, or its error entry (submit refuses params the
     wire cannot carry: only this prompt's entry fails)."""
     params = SamplingParams(max_new_tokens=0)  # scoring samples nothing: no model defaults
@@ -247,8 +278,9 @@ def _submit_score(state: AppState, request: Request, ids: list[int],
         return e.native_body()
 
 
-async def _score_one(state: AppState, request: Request, generation: Generation,
-                     encoding: str) -> dict:
+async def _score_one(
+    state: AppState, request: Request, generation: Generation, encoding: str
+) -> dict:
     try:
         await state.accepted(request, generation, watch=False)
         await state.collect(request, generation, watch=False)
@@ -297,9 +329,14 @@ def build_router() -> APIRouter:
         state.admit(sum(isinstance(ids, list) for ids in prompt_ids), "prompts")
         submitted: list[Generation | dict] = [
             _submit_score(state, request, ids, cop) if isinstance(ids, list) else ids
-            for ids, cop in zip(prompt_ids, cops)]
-        jobs = [_entry(s) if isinstance(s, dict) else
-                _score_one(state, request, s, body.custom_output_encoding) for s in submitted]
+            for ids, cop in zip(prompt_ids, cops)
+        ]
+        jobs = [
+            _entry(s)
+            if isinstance(s, dict)
+            else _score_one(state, request, s, body.custom_output_encoding)
+            for s in submitted
+        ]
         try:
             outputs = await race_disconnect(request, asyncio.gather(*jobs))
         except BaseException:  # the client left: a job cancelled before it ran aborts nothing
@@ -319,13 +356,22 @@ def build_router() -> APIRouter:
         def encode() -> JSONResponse:  # rendered here too: a long answer's JSON takes long
             if body.messages is not None:
                 text = body.render(state.tokenizer, body.messages)
-                ids = state.encode(text, "messages", add_special_tokens=bool(body.add_special_tokens))
+                ids = state.encode(
+                    text, "messages", add_special_tokens=bool(body.add_special_tokens)
+                )
             else:
-                ids = state.encode(body.prompt, "prompt",
-                                   add_special_tokens=body.add_special_tokens is not False)
-            return JSONResponse({"tokens": ids, "count": len(ids),
-                                 "max_model_len": state.config.max_model_len,
-                                 "token_strs": [state.tokenizer.token_str(t) for t in ids]})
+                ids = state.encode(
+                    body.prompt, "prompt", add_special_tokens=body.add_special_tokens is not False
+                )
+            return JSONResponse(
+                {
+                    "tokens": ids,
+                    "count": len(ids),
+                    "max_model_len": state.config.max_model_len,
+                    "token_strs": [state.tokenizer.token_str(t) for t in ids],
+                }
+            )
+
         return await state.prepare(request, encode)
 
     @router.post("/detokenize")
@@ -339,5 +385,3 @@ def build_router() -> APIRouter:
         return {"prompt": state.tokenizer.decode(body.tokens, body.skip_special_tokens)}
 
     return router
-
-

@@ -8,19 +8,21 @@ the choices' chunks (each with the usage so far when `stream_options` has both
 `stream_options.include_usage`, then `data: [DONE]`. Errors known before the first token
 are plain HTTP answers.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import invalid
-from api.generation import Choice, ChoiceDelta, Generation
-from api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from api.state import AppState, sse
-from api.values import finite_logprob
+from tapserve.api.errors import invalid
+from tapserve.api.generation import Choice, ChoiceDelta, Generation
+from tapserve.api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from tapserve.api.state import AppState, sse
+from tapserve.api.values import finite_logprob
 
 
 def _state(request: Request) -> AppState:
@@ -33,8 +35,13 @@ def _extra(encoded: Any) -> dict:
 
 
 # ---- logprobs ----------------------------------------------------------------------------
-def _completion_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
-                         tops: list[list[list]], offsets: list[int]) -> dict:
+def _completion_logprobs(
+    state: AppState,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[list[list]],
+    offsets: list[int],
+) -> dict:
     """Legacy completions logprobs. A token that is part of a character is written
     `bytes:\\xNN...`, as OpenAI's legacy API writes it, so that such tokens stay distinct
     keys of top_logprobs (as U+FFFD text they overwrote each other, the sampled one's too);
@@ -45,30 +52,52 @@ def _completion_logprobs(state: AppState, token_ids: list[int], logprobs: list[f
         entry = {name(t): finite_logprob(v) for t, v in top}
         entry.setdefault(name(token), finite_logprob(lp))
         top_dicts.append(entry)
-    return {"tokens": [name(t) for t in token_ids],
-            "token_logprobs": [finite_logprob(v) for v in logprobs],
-            "top_logprobs": top_dicts, "text_offset": list(offsets)}
+    return {
+        "tokens": [name(t) for t in token_ids],
+        "token_logprobs": [finite_logprob(v) for v in logprobs],
+        "top_logprobs": top_dicts,
+        "text_offset": list(offsets),
+    }
 
 
-def _chat_logprobs(state: AppState, token_ids: list[int], logprobs: list[float],
-                   tops: list[list[list]], num_top: int) -> dict:
+def _chat_logprobs(
+    state: AppState,
+    token_ids: list[int],
+    logprobs: list[float],
+    tops: list[list[list]],
+    num_top: int,
+) -> dict:
     def item(t: int, lp: float) -> dict:
-        return {"token": state.tokenizer.token_str(t), "logprob": finite_logprob(lp),
-                "bytes": list(state.tokenizer.token_bytes(t))}
-    content = [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top[:num_top]]}
-               for t, lp, top in zip(token_ids, logprobs, tops)]
+        return {
+            "token": state.tokenizer.token_str(t),
+            "logprob": finite_logprob(lp),
+            "bytes": list(state.tokenizer.token_bytes(t)),
+        }
+
+    content = [
+        {**item(t, lp), "top_logprobs": [item(a, b) for a, b in top[:num_top]]}
+        for t, lp, top in zip(token_ids, logprobs, tops)
+    ]
     return {"content": content, "refusal": None}
 
 
 # ---- shared ------------------------------------------------------------------------------
-def _params(state: AppState, body: _SamplingFields, max_tokens: int | None, prompt_len: int,
-            logprobs: bool, top_logprobs: int, max_tokens_param: str = "max_tokens") -> Any:
+def _params(
+    state: AppState,
+    body: _SamplingFields,
+    max_tokens: int | None,
+    prompt_len: int,
+    logprobs: bool,
+    top_logprobs: int,
+    max_tokens_param: str = "max_tokens",
+) -> Any:
     state.check_n(body.n, "n")
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     max_new = state.max_new_tokens(max_tokens, prompt_len, max_tokens_param)
-    return state.sampling_params(**body.sampling_kwargs(max_new), logprobs=logprobs,
-                                 top_logprobs=top_logprobs)
+    return state.sampling_params(
+        **body.sampling_kwargs(max_new), logprobs=logprobs, top_logprobs=top_logprobs
+    )
 
 
 def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len: int) -> int | None:
@@ -81,8 +110,12 @@ def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len:
 
 
 def _envelope(generation: Generation, kind: str, model: str, created: int) -> dict:
-    return {"id": generation.group.request_ids[0], "object": kind, "created": created,
-            "model": model}
+    return {
+        "id": generation.group.request_ids[0],
+        "object": kind,
+        "created": created,
+        "model": model,
+    }
 
 
 class _Shape:
@@ -95,10 +128,16 @@ class _Shape:
         self.started: set[int] = set()
 
     def full_choice(self, c: Choice) -> dict:
-        out: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
-                               "stop_reason": c.stop_reason}
-        lp = self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.text_offsets) \
-            if self.want_logprobs else None
+        out: dict[str, Any] = {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        lp = (
+            self._logprobs(c.token_ids, c.logprobs, c.top_logprobs, c.text_offsets)
+            if self.want_logprobs
+            else None
+        )
         if self.chat:
             out["message"] = {"role": "assistant", "content": c.text}
         else:
@@ -115,11 +154,16 @@ class _Shape:
         self.started.add(d.index)
         out: dict[str, Any] = {"index": d.index}
         if self.chat:
-            out["delta"] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            out["delta"] = (
+                {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            )
         else:
             out["text"] = d.text
-        out["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.text_offsets) \
-            if self.want_logprobs else None
+        out["logprobs"] = (
+            self._logprobs(d.token_ids, d.logprobs, d.top_logprobs, d.text_offsets)
+            if self.want_logprobs
+            else None
+        )
         out["finish_reason"], out["stop_reason"] = d.finish_reason, d.stop_reason
         return {**out, **_extra(value)}
 
@@ -129,24 +173,33 @@ class _Shape:
         return _completion_logprobs(self.state, ids, lps, tops, offsets)
 
 
-async def _respond(request: Request, state: AppState, generation: Generation, body: Any,
-                   chat: bool) -> Any:
+async def _respond(
+    request: Request, state: AppState, generation: Generation, body: Any, chat: bool
+) -> Any:
     kind = "chat.completion" if chat else "text_completion"
     model, created = state.config.served_model_name, int(time.time())
     shape = _Shape(state, chat, body)
     if body.stream:
-        return state.stream(request, generation,
-                            lambda: _events(generation, body, shape, kind, model, created))
+        return state.stream(
+            request, generation, lambda: _events(generation, body, shape, kind, model, created)
+        )
     await state.collect(request, generation)
     all_choices = generation.choices()
     choices = [shape.full_choice(c) for c in all_choices]
     last = all_choices[-1].encoded_value(body.custom_output_encoding) if all_choices else None
-    return JSONResponse({**_envelope(generation, kind, model, created), "choices": choices,
-                         "usage": generation.usage(), **_extra(last)})
+    return JSONResponse(
+        {
+            **_envelope(generation, kind, model, created),
+            "choices": choices,
+            "usage": generation.usage(),
+            **_extra(last),
+        }
+    )
 
 
-async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, model: str,
-                  created: int) -> AsyncIterator[str]:
+async def _events(
+    generation: Generation, body: Any, shape: _Shape, kind: str, model: str, created: int
+) -> AsyncIterator[str]:
     head = _envelope(generation, kind + ".chunk" if shape.chat else kind, model, created)
     async for deltas in generation.run():
         events = []
@@ -156,8 +209,11 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
             if choice is not None:
                 # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed
                 # with include_usage alone, OpenAI's chunks carry "usage": null until the last
-                usage = {"usage": generation.choice_usage(d.index) if body.continuous_usage
-                         else None} if body.include_usage else {}
+                usage = (
+                    {"usage": generation.choice_usage(d.index) if body.continuous_usage else None}
+                    if body.include_usage
+                    else {}
+                )
                 events.append(sse({**head, "choices": [choice], **_extra(value), **usage}))
         if events:
             yield "".join(events)  # one write for the choices of one output
@@ -168,13 +224,19 @@ async def _events(generation: Generation, body: Any, shape: _Shape, kind: str, m
 
 # ---- routes ------------------------------------------------------------------------------
 def _chat_prompt(state: AppState, body: ChatCompletionRequest) -> list[int]:
-    return state.prompt_ids(body.render(state.tokenizer, body.messages), "messages",
-                            add_special_tokens=False)
+    return state.prompt_ids(
+        body.render(state.tokenizer, body.messages), "messages", add_special_tokens=False
+    )
 
 
 def _model_card(state: AppState) -> dict:
-    return {"id": state.config.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "tapserve", "max_model_len": state.config.max_model_len}
+    return {
+        "id": state.config.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tapserve",
+        "max_model_len": state.config.max_model_len,
+    }
 
 
 def build_router() -> APIRouter:
@@ -198,16 +260,30 @@ def build_router() -> APIRouter:
         prompts = body.prompts()
         if len(prompts) > state.config.max_prompts:
             raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompt")
+
         def prepare() -> list:
             items = []
             for p in prompts:
                 ids = state.prompt_ids(p, "prompt", body.add_special_tokens)
-                items.append((ids, _params(state, body, _completion_max_tokens(state, body, len(ids)),
-                                           len(ids), body.logprobs is not None, body.logprobs or 0)))
+                items.append(
+                    (
+                        ids,
+                        _params(
+                            state,
+                            body,
+                            _completion_max_tokens(state, body, len(ids)),
+                            len(ids),
+                            body.logprobs is not None,
+                            body.logprobs or 0,
+                        ),
+                    )
+                )
             return items
+
         items = await state.prepare(request, prepare)
-        generation = await state.start(request, "cmpl", items,
-                                       [body.custom_output_params] * len(items))
+        generation = await state.start(
+            request, "cmpl", items, [body.custom_output_params] * len(items)
+        )
         return await _respond(request, state, generation, body, chat=False)
 
     @router.post("/v1/chat/completions")
@@ -218,10 +294,18 @@ def build_router() -> APIRouter:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
         ids = await state.prepare(request, lambda: _chat_prompt(state, body))
         request.state.max_tokens_param = body.max_tokens_param  # how engine errors name it
-        params = _params(state, body, body.requested_max_tokens, len(ids), body.logprobs,
-                         body.top_logprobs or 0, body.max_tokens_param)
-        generation = await state.start(request, "chatcmpl", [(ids, params)],
-                                       [body.custom_output_params])
+        params = _params(
+            state,
+            body,
+            body.requested_max_tokens,
+            len(ids),
+            body.logprobs,
+            body.top_logprobs or 0,
+            body.max_tokens_param,
+        )
+        generation = await state.start(
+            request, "chatcmpl", [(ids, params)], [body.custom_output_params]
+        )
         return await _respond(request, state, generation, body, chat=True)
 
     return router

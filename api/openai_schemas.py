@@ -6,6 +6,7 @@ include_stop_str_in_output) and tapserve's custom_output_params / custom_output_
 Any other field (tools, response_format other than text, echo, suffix, ...) is a 400 naming
 it: never silently misread.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from api.errors import invalid
-from api.tokenizer import ChatTemplateError, TextTokenizer
+from tapserve.api.errors import invalid
+from tapserve.api.tokenizer import ChatTemplateError, TextTokenizer
 
 # a logit_bias key: ASCII digits only (int() takes more), at most 19 (int() refuses over 4300)
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
@@ -26,6 +27,7 @@ class StrictModel(BaseModel):
     spec's nullable fields do (the official client sends `n=None` as `"n": null`); a null
     for an unknown field (`tools: null`) is dropped too: it asks for nothing. Fields that
     take None keep it (max_tokens: null fills the context, as vLLM)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
@@ -34,8 +36,11 @@ class StrictModel(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or (k in fields and type(None) in get_args(fields[k].annotation))}
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or (k in fields and type(None) in get_args(fields[k].annotation))
+        }
 
 
 class StreamOptions(StrictModel):
@@ -45,6 +50,7 @@ class StreamOptions(StrictModel):
 
 class _SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
+
     model: str | None = None
     n: int = Field(1, ge=1)
     temperature: float | None = None
@@ -71,22 +77,35 @@ class _SamplingFields(StrictModel):
     custom_output_encoding: Literal["json", "base64"] = "json"
 
     def sampling_kwargs(self, max_new_tokens: int) -> dict:
-        """Keyword arguments for coordinator.sampling_params.SamplingParams."""
+        """Keyword arguments for api.sampling_params.SamplingParams."""
         kw: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens, "n": self.n, "seed": self.seed,
-            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "max_new_tokens": max_new_tokens,
+            "n": self.n,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            "stop_token_ids": list(self.stop_token_ids or []), "min_tokens": self.min_tokens,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "include_stop_str_in_output": self.include_stop_str_in_output}
-        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                    "min_p": self.min_p, "repetition_penalty": self.repetition_penalty}
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.logit_bias:
             bad = [k for k in self.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)]
             if bad:
-                raise invalid(f"logit_bias keys must be token ids (decimal digits), got {bad[:3]}",
-                              "logit_bias")
+                raise invalid(
+                    f"logit_bias keys must be token ids (decimal digits), got {bad[:3]}",
+                    "logit_bias",
+                )
             kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return kw
 
@@ -147,15 +166,18 @@ class ChatMessage(StrictModel):
             texts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise invalid(f"unsupported content part type {part.get('type')!r} "
-                                  "(text only)", "messages")
+                    raise invalid(
+                        f"unsupported content part type {part.get('type')!r} (text only)",
+                        "messages",
+                    )
                 try:
                     texts.append(TextPart(**part).text)
                 except ValidationError as e:
                     problem = e.errors()[0]
                     where = ".".join(str(p) for p in problem.get("loc", ()))
-                    raise invalid(f"invalid text content part: {where}: {problem.get('msg')}",
-                                  "messages") from None
+                    raise invalid(
+                        f"invalid text content part: {where}: {problem.get('msg')}", "messages"
+                    ) from None
             content = "\n".join(texts)
         role = "system" if developer_as_system and self.role == "developer" else self.role
         out = {"role": role, "content": content or ""}
@@ -172,6 +194,7 @@ class ResponseFormat(StrictModel):
 
 class ChatTemplateFields(StrictModel):
     """How a request's messages become prompt text (vLLM's fields of these names)."""
+
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -180,10 +203,15 @@ class ChatTemplateFields(StrictModel):
         """The templated text; a 605 on "messages" when the template fails, and on
         add_generation_prompt when it is set explicitly with continue_final_message (as
         vLLM: ambiguous). Continuing the final message turns the generation prompt off."""
-        if self.continue_final_message and self.add_generation_prompt \
-                and "add_generation_prompt" in self.model_fields_set:
-            raise invalid("cannot set both continue_final_message and add_generation_prompt",
-                          "add_generation_prompt")
+        if (
+            self.continue_final_message
+            and self.add_generation_prompt
+            and "add_generation_prompt" in self.model_fields_set
+        ):
+            raise invalid(
+                "cannot set both continue_final_message and add_generation_prompt",
+                "add_generation_prompt",
+            )
         # OpenAI's newer name for "system": a template that never names it (Qwen's, Llama's)
         # would drop such a message silently
         developer_as_system = "developer" not in (tokenizer.chat_template or "")
@@ -191,7 +219,9 @@ class ChatTemplateFields(StrictModel):
             return tokenizer.apply_chat_template(
                 [m.template_dict(developer_as_system) for m in messages],
                 self.add_generation_prompt and not self.continue_final_message,
-                self.chat_template_kwargs, self.continue_final_message)
+                self.chat_template_kwargs,
+                self.continue_final_message,
+            )
         except ChatTemplateError as e:
             raise invalid(str(e), "messages") from None
 
@@ -206,8 +236,11 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
     @property
     def max_tokens_param(self) -> str:

@@ -1,13 +1,14 @@
-"""The API process: app factory and `python -m api.server` entry point.
+"""The API process: app factory and entry point.
 
-Rank 0 starts it as `subprocess.Popen([sys.executable, "-m", "api.server",
-*ApiConfig(...).to_argv()])` (see api/config.py for the options). It loads no torch and no
+Rank 0 starts it by file path, `python -P <tapserve>/api/server.py *ApiConfig(...).to_argv()`
+(see api/config.py for the options). It loads no torch and no
 model code: tokenizer via `tokenizers`, chat templates via jinja2, custom outputs via numpy.
 Everything lives in the app built by `create_app` (no module-level state).
 
 Gate (pure ASGI, before routing): Bearer API key on every path but /health (constant-time
 compare), request body size limit (413), and request metrics (status, latency).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,20 +20,26 @@ import socket
 import sys
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
+
+if not __package__:  # run by file path: bind `tapserve` to this checkout or installed copy
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import native, openai
-from api.config import ApiConfig
-from api.engine_client import EngineClient
-from api.errors import STREAM_ERROR_STATUS, ApiError, error_body, install_handlers
-from api.lifecycle import Lifecycle, Server, watchdog
-from api.metrics import CONTENT_TYPE, ApiMetrics
-from api.state import AppState, ClientGone
-from api.tokenizer import TextTokenizer
+from tapserve.api import native, openai
+from tapserve.api.config import ApiConfig
+from tapserve.api.engine_client import EngineClient
+from tapserve.api.errors import STREAM_ERROR_STATUS, ApiError, error_body, install_handlers
+from tapserve.api.lifecycle import Lifecycle, Server, watchdog
+from tapserve.api.metrics import CONTENT_TYPE, ApiMetrics
+from tapserve.api.state import AppState, ClientGone
+from tapserve.api.tokenizer import TextTokenizer
 
 __all__ = ["ApiConfig", "create_app", "main"]
 log = logging.getLogger("tapserve.api")
@@ -53,8 +60,9 @@ class Gate:
         path, start = scope["path"], time.monotonic()
         measured = path in _GENERATION_PATHS
         if self._key is not None and path != "/health" and not self._authorized(scope):
-            return await self._refuse(send, ApiError(401, "invalid or missing API key"), path,
-                                      start)
+            return await self._refuse(
+                send, ApiError(401, "invalid or missing API key"), path, start
+            )
         declared = _header(scope, b"content-length")
         if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
             return await self._refuse(send, self._too_large(), path, start)
@@ -76,9 +84,15 @@ class Gate:
             raise
         finally:  # a response cut short counts as the client's leaving (499) or a failure;
             # a stream that ended in an error event counts as that error's status
-            self._count(path, start, state.get(STREAM_ERROR_STATUS, response.status)
-                        if response.complete else CLIENT_GONE if client.gone and not failed
-                        else 500)
+            self._count(
+                path,
+                start,
+                state.get(STREAM_ERROR_STATUS, response.status)
+                if response.complete
+                else CLIENT_GONE
+                if client.gone and not failed
+                else 500,
+            )
 
     async def _refuse(self, send: Any, error: ApiError, path: str, start: float) -> None:
         """Answer an error before the app runs (401, 413); a generation path counts it."""
@@ -162,12 +176,16 @@ def _replay(body: bytes, receive: Any) -> Any:
             sent[0] = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return replayed
 
 
 async def _send_error(send: Any, error: ApiError, path: str) -> None:
-    response = JSONResponse(error_body(error, path), status_code=error.status,
-                            headers={"WWW-Authenticate": "Bearer"} if error.code == 401 else None)
+    response = JSONResponse(
+        error_body(error, path),
+        status_code=error.status,
+        headers={"WWW-Authenticate": "Bearer"} if error.code == 401 else None,
+    )
     await response({"type": "http"}, _never, send)
 
 
@@ -175,8 +193,9 @@ async def _never() -> dict:
     return {"type": "http.disconnect"}
 
 
-def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None,
-               lifecycle: Lifecycle | None = None) -> Any:
+def create_app(
+    config: ApiConfig, tokenizer: TextTokenizer | None = None, lifecycle: Lifecycle | None = None
+) -> Any:
     """Build the ASGI app (FastAPI wrapped in the Gate) for one API process. lifecycle: how
     the process ends (api/lifecycle.py; main's server stops when it says so)."""
     tokenizer = tokenizer or TextTokenizer.from_dir(config.tokenizer, config.chat_template)
@@ -200,8 +219,9 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None,
             guard.cancel()
             await client.close()
 
-    app = FastAPI(title="tapserve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(
+        title="tapserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     install_handlers(app)
 
     @app.exception_handler(ClientGone)
@@ -231,25 +251,34 @@ def create_app(config: ApiConfig, tokenizer: TextTokenizer | None = None,
 
 def main(argv: list[str] | None = None) -> None:
     config = ApiConfig.from_argv(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sockets = None
     if config.port == 0:  # bound here, so that the log names the port the kernel picked
         sockets = [_listening_socket(config.host)]
         config = dataclasses.replace(config, port=sockets[0].getsockname()[1])
     lifecycle = Lifecycle(config.parent_pid or os.getppid())
     app = create_app(config, lifecycle=lifecycle)
-    server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.log_requests, timeout_graceful_shutdown=config.graceful_timeout_s),
-        lifecycle)
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.log_requests,
+            timeout_graceful_shutdown=config.graceful_timeout_s,
+        ),
+        lifecycle,
+    )
     server.run(sockets=sockets)
 
 
 def _listening_socket(host: str) -> socket.socket:
     """A TCP socket bound to host on a port of the kernel's choice (as uvicorn binds one)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(address)

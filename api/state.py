@@ -4,26 +4,28 @@ accept-or-reject answer (so early errors are plain HTTP answers, also for stream
 non-streaming collection and SSE streaming, both aborting the engine requests when the
 client goes away.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from api import wire
-from api.config import ApiConfig
-from api.engine_client import EngineClient, EngineError
-from api.errors import ApiError, invalid, is_openai_path, sse_error_event
-from api.generation import Generation
-from api.metrics import ApiMetrics
-from api.tokenizer import TextTokenizer, UnencodableTextError
-from coordinator.sampling_params import SamplingParams
+from tapserve.api import wire
+from tapserve.api.config import ApiConfig
+from tapserve.api.engine_client import EngineClient, EngineError
+from tapserve.api.errors import ApiError, invalid, is_openai_path, sse_error_event
+from tapserve.api.generation import Generation
+from tapserve.api.metrics import ApiMetrics
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.tokenizer import TextTokenizer, UnencodableTextError
 
 log = logging.getLogger("tapserve.api")
 # request bodies above this many bytes are tokenized (and their chat templates rendered) in
@@ -70,8 +72,10 @@ def _api_error(e: EngineError, request: Request) -> ApiError:
     param, path = e.param, request.url.path
     if param is not None and is_openai_path(path):
         chat = path.endswith("/chat/completions")
-        names = {"max_new_tokens": getattr(request.state, "max_tokens_param", "max_tokens"),
-                 "prompt": "messages" if chat else "prompt"}
+        names = {
+            "max_new_tokens": getattr(request.state, "max_tokens_param", "max_tokens"),
+            "prompt": "messages" if chat else "prompt",
+        }
         param = names.get(param, param)
     return ApiError(e.code, e.message, param)
 
@@ -88,23 +92,31 @@ class AppState:
     def check_model(self, model: str | None) -> None:
         """404 for a request that names a model this server does not serve (None: any)."""
         if model is not None and model != self.config.served_model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.config.served_model_name}'", "model")
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves "
+                f"'{self.config.served_model_name}'",
+                "model",
+            )
 
     def admit(self, num_requests: int, param: str = "prompt") -> None:
         """605 for a request larger than the whole queue (never admitted, so not a 503 to
         retry); 503 while the engine is down or stopping (silent for the /health timeout: a
         hung rank), or when the queue is full."""
         if num_requests > self.config.max_in_flight:
-            raise invalid(f"the request has {num_requests} prompts; the server admits "
-                          f"at most {self.config.max_in_flight} at once", param)
+            raise invalid(
+                f"the request has {num_requests} prompts; the server admits "
+                f"at most {self.config.max_in_flight} at once",
+                param,
+            )
         if self.client.shutting_down:
             raise ApiError(503, "the server is shutting down")
         if not self.client.healthy(self.config.health_timeout_s):  # as /health says
             raise ApiError(503, "the engine is not available")
         if self.client.num_in_flight + num_requests > self.config.max_in_flight:
-            raise ApiError(503, f"too many requests in flight (limit {self.config.max_in_flight});"
-                                " retry later")
+            raise ApiError(
+                503, f"too many requests in flight (limit {self.config.max_in_flight}); retry later"
+            )
 
     @staticmethod
     async def prepare(request: Request, work: Callable[[], Any]) -> Any:
@@ -127,8 +139,9 @@ class AppState:
         except UnencodableTextError as e:
             raise invalid(str(e), param) from None
 
-    def prompt_ids(self, prompt: str | list[int], param: str = "prompt",
-                   add_special_tokens: bool = True) -> list[int]:
+    def prompt_ids(
+        self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         """Tokenize (or check) one prompt: nonempty, known token ids, shorter than the context."""
         if isinstance(prompt, str):
             ids = self.encode(prompt, param, add_special_tokens)
@@ -141,8 +154,11 @@ class AppState:
         if not ids:
             raise invalid("the prompt is empty", param)
         if len(ids) >= self.config.max_model_len:
-            raise invalid(f"the prompt is {len(ids)} tokens; the model's context is "
-                          f"{self.config.max_model_len} tokens (prompt too long)", param)
+            raise invalid(
+                f"the prompt is {len(ids)} tokens; the model's context is "
+                f"{self.config.max_model_len} tokens (prompt too long)",
+                param,
+            )
         return ids
 
     def max_new_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
@@ -151,12 +167,16 @@ class AppState:
         if requested is None:
             return min(room, self.config.max_tokens_limit)
         if requested < 0 or requested > self.config.max_tokens_limit:
-            raise invalid(f"{param} must be in [0, {self.config.max_tokens_limit}], got {requested}",
-                          param)
+            raise invalid(
+                f"{param} must be in [0, {self.config.max_tokens_limit}], got {requested}", param
+            )
         if requested > room:
-            raise invalid(f"the model's context is {self.config.max_model_len} tokens, but "
-                          f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
-                          f"{requested} in {param})", param)
+            raise invalid(
+                f"the model's context is {self.config.max_model_len} tokens, but "
+                f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
+                f"{requested} in {param})",
+                param,
+            )
         return requested
 
     def check_n(self, n: int, param: str) -> None:
@@ -172,18 +192,30 @@ class AppState:
             raise invalid(str(e), str(e).split(" ", 1)[0]) from None
 
     # ---- running ---------------------------------------------------------------------
-    def submit(self, request: Request, kind: str, prompts: list[tuple[list[int], SamplingParams]],
-               custom_output_params: list[dict | None]) -> Generation:
+    def submit(
+        self,
+        request: Request,
+        kind: str,
+        prompts: list[tuple[list[int], SamplingParams]],
+        custom_output_params: list[dict | None],
+    ) -> Generation:
         """Send one engine request per prompt (after the admission check)."""
         self.admit(len(prompts))
-        adds = [wire.AddRequest(self.client.new_request_id(kind), ids, params.to_dict(), cop)
-                for (ids, params), cop in zip(prompts, custom_output_params)]
+        adds = [
+            wire.AddRequest(self.client.new_request_id(kind), ids, params.to_dict(), cop)
+            for (ids, params), cop in zip(prompts, custom_output_params)
+        ]
         group = self.client.submit(adds)
         if self.config.log_requests:
             for add in adds:
-                log.info("request %s %s prompt_tokens=%d params=%s custom_output_params=%s",
-                         add.request_id, request.url.path, len(add.prompt_token_ids),
-                         add.sampling_params, add.custom_output_params)
+                log.info(
+                    "request %s %s prompt_tokens=%d params=%s custom_output_params=%s",
+                    add.request_id,
+                    request.url.path,
+                    len(add.prompt_token_ids),
+                    add.sampling_params,
+                    add.custom_output_params,
+                )
         return Generation(self.tokenizer, group, prompts, self.metrics, self.config.eos_token_ids)
 
     async def accepted(self, request: Request, generation: Generation, watch: bool = True) -> None:
@@ -201,19 +233,25 @@ class AppState:
             raise
         self.metrics.prompt_tokens.inc(sum(len(p.prompt_ids) for p in generation.prompts.values()))
 
-    async def start(self, request: Request, kind: str, prompts: list[tuple[list[int], SamplingParams]],
-                    custom_output_params: list[dict | None]) -> Generation:
+    async def start(
+        self,
+        request: Request,
+        kind: str,
+        prompts: list[tuple[list[int], SamplingParams]],
+        custom_output_params: list[dict | None],
+    ) -> Generation:
         """submit + accepted."""
         generation = self.submit(request, kind, prompts, custom_output_params)
         await self.accepted(request, generation)
         return generation
 
-    async def collect(self, request: Request, generation: Generation,
-                      watch: bool = True) -> None:
+    async def collect(self, request: Request, generation: Generation, watch: bool = True) -> None:
         """Run a generation to its end (non-streaming); aborts it if the client leaves."""
+
         async def drain() -> None:
             async for _ in generation.run():
                 pass
+
         try:
             await (race_disconnect(request, drain()) if watch else drain())
         except EngineError as e:
@@ -222,8 +260,9 @@ class AppState:
             generation.group.abort()
             self.log_done(generation)
 
-    def stream(self, request: Request, generation: Generation,
-               events: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
+    def stream(
+        self, request: Request, generation: Generation, events: Callable[[], AsyncIterator[str]]
+    ) -> StreamingResponse:
         """SSE response from `events()`; a later engine error becomes the last event; the
         engine requests are aborted when the stream ends early (client gone)."""
         path = request.url.path
@@ -236,8 +275,9 @@ class AppState:
                 yield sse_error_event(_api_error(e, request), path, request.scope)
             except Exception as e:  # a bug of ours: the client still gets a last event
                 log.exception("stream of %s failed", path)
-                yield sse_error_event(ApiError(500, f"internal error: {type(e).__name__}: {e}"),
-                                      path, request.scope)
+                yield sse_error_event(
+                    ApiError(500, f"internal error: {type(e).__name__}: {e}"), path, request.scope
+                )
             finally:
                 generation.group.abort()
                 self.log_done(generation)
@@ -247,5 +287,8 @@ class AppState:
     def log_done(self, generation: Generation) -> None:
         if self.config.log_requests:
             for state in generation.prompts.values():
-                log.info("request %s done: %s", state.request_id, [
-                    (c.index, len(c.token_ids), c.finish_reason) for c in state.choices.values()])
+                log.info(
+                    "request %s done: %s",
+                    state.request_id,
+                    [(c.index, len(c.token_ids), c.finish_reason) for c in state.choices.values()],
+                )

@@ -8,6 +8,7 @@ template with jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_b
 else `chat_template.jinja` (transformers 5), else `tokenizer_config.json["chat_template"]`.
 Templated text is tokenized without adding special tokens (the template holds them).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,21 +22,31 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
 
-
 # the named special tokens transformers passes to chat templates (those the tokenizer sets)
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                       "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 # what the server passes to every chat template: chat_template_kwargs may not replace them
-_SERVER_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "self",
-                                        *SPECIAL_TOKEN_NAMES})
+_SERVER_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "self", *SPECIAL_TOKEN_NAMES}
+)
 # appended to the message continue_final_message continues; the render is cut where it lies
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _char_to_byte() -> dict[str, int]:
     """The inverse of GPT-2's bytes_to_unicode: byte-level BPE writes byte b as this char."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     chars = {b: b for b in printable}
     for b in range(256):
         if b not in chars:
@@ -61,8 +72,10 @@ def check_unicode(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise UnencodableTextError(f"the text is not valid Unicode: a lone surrogate "
-                                   f"U+{ord(text[e.start]):04X} at character {e.start}") from None
+        raise UnencodableTextError(
+            f"the text is not valid Unicode: a lone surrogate "
+            f"U+{ord(text[e.start]):04X} at character {e.start}"
+        ) from None
 
 
 def _token_text(entry: Any) -> str | None:
@@ -83,14 +96,16 @@ def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
             mark = step.get("replacement", "\u2581")
         elif step.get("type") == "Replace" and step.get("content") == " ":
             mark = (step.get("pattern") or {}).get("String") or mark
-    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) \
-        and any(step.get("type") == "ByteFallback" for step in steps)
+    byte_fallback = bool((spec.get("model") or {}).get("byte_fallback")) and any(
+        step.get("type") == "ByteFallback" for step in steps
+    )
     return byte_fallback, mark
 
 
 class _GenerationBlock(Extension):
     """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant text for
     training masks): rendered as its body, in its own scope as transformers renders it."""
+
     tags = {"generation"}
 
     def parse(self, parser: Any) -> nodes.Node:
@@ -106,16 +121,23 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _template_environment() -> ImmutableSandboxedEnvironment:
     """The jinja2 environment chat templates render in, as transformers builds it."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _GenerationBlock])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -178,8 +200,11 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, config: dict, chat_template: str | None):
         self.tokenizer = tokenizer
-        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
-                               if (text := _token_text(config.get(name))) is not None}
+        self.special_tokens = {
+            name: text
+            for name in SPECIAL_TOKEN_NAMES
+            if (text := _token_text(config.get(name))) is not None
+        }
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
         self.special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
@@ -193,14 +218,17 @@ class TextTokenizer:
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
     @classmethod
-    def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> "TextTokenizer":
+    def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> TextTokenizer:
         folder = Path(folder)
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file} not found (the API process needs tokenizer.json)")
         config = _tokenizer_config(folder)
-        return cls(Tokenizer.from_file(str(tok_file)), config,
-                   _template_source(folder, config, chat_template))
+        return cls(
+            Tokenizer.from_file(str(tok_file)),
+            config,
+            _template_source(folder, config, chat_template),
+        )
 
     @property
     def eos_token_id(self) -> int | None:
@@ -276,16 +304,21 @@ class TextTokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template_kwargs: dict[str, Any] | None = None,
-                            continue_final_message: bool = False) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+    ) -> str:
         """Render the chat template with the client's extra variables (template_kwargs);
         raises ChatTemplateError for a missing or failing template, or for variables that
         would replace the ones the server sets. continue_final_message leaves the last
         message open: the text ends where its content does, as transformers cuts it."""
         if not self.chat_template:
-            raise ChatTemplateError("the model has no chat template; start the server with "
-                                    "--chat-template FILE")
+            raise ChatTemplateError(
+                "the model has no chat template; start the server with --chat-template FILE"
+            )
         template_kwargs = template_kwargs or {}
         taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_VARIABLES)
         if taken:
@@ -293,26 +326,35 @@ class TextTokenizer:
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ChatTemplateError("continue_final_message needs a final message with text")
-            messages = [*messages[:-1], {**messages[-1],
-                                         "content": messages[-1]["content"] + _CONTINUE_TAG}]
+            messages = [
+                *messages[:-1],
+                {**messages[-1], "content": messages[-1]["content"] + _CONTINUE_TAG},
+            ]
         try:
             if self._template is None:
                 self._template = self._env.from_string(self.chat_template)
             # as transformers: the special tokens the tokenizer sets, the others undefined
-            text = self._template.render(**{"tools": None, "documents": None, **template_kwargs},
-                                         messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            text = self._template.render(
+                **{"tools": None, "documents": None, **template_kwargs},
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
         except Exception as e:  # the client's variables can make jinja raise anything
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
-        return _cut_at_continue_tag(text, messages[-1]["content"]) if continue_final_message else text
+        return (
+            _cut_at_continue_tag(text, messages[-1]["content"]) if continue_final_message else text
+        )
 
 
 def _cut_at_continue_tag(text: str, tagged_content: str) -> str:
     """The rendered chat up to the continued message's end, as transformers cuts it: at the
     tag, with trailing spaces stripped where the template trimmed the tag's own."""
-    final, tag = tagged_content[:-len(_CONTINUE_TAG)], _CONTINUE_TAG.strip()
+    final, tag = tagged_content[: -len(_CONTINUE_TAG)], _CONTINUE_TAG.strip()
     if final.strip() not in text or tag not in text:
-        raise ChatTemplateError("continue_final_message: the final message does not appear in "
-                                "the rendered chat (the template drops part of it)")
+        raise ChatTemplateError(
+            "continue_final_message: the final message does not appear in "
+            "the rendered chat (the template drops part of it)"
+        )
     at = text.rindex(tag)
     return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()

@@ -6,6 +6,7 @@ JSON numbers follow DESIGN.md: int32 stays integers, float16 / bfloat16 widen to
 `custom_output_encoding: "base64"` the value is `{"dtype", "shape", "data"}` with the raw
 little-endian bytes base64-encoded, bit-exact.
 """
+
 from __future__ import annotations
 
 import base64
@@ -25,7 +26,9 @@ def to_array(value: dict) -> np.ndarray:
         return high.view(np.float32).reshape(shape)
     if dtype not in _NUMPY_DTYPES:
         raise ValueError(f"unknown custom output dtype {dtype!r}")
-    return np.frombuffer(data, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<")).reshape(shape)
+    return np.frombuffer(data, dtype=np.dtype(_NUMPY_DTYPES[dtype]).newbyteorder("<")).reshape(
+        shape
+    )
 
 
 def json_number(x: float | int) -> float | int | str:
@@ -47,8 +50,11 @@ def encode_value(value: dict | None, encoding: str = "json") -> Any:
     if value is None:
         return None
     if encoding == "base64":
-        return {"dtype": value["dtype"], "shape": list(value["shape"]),
-                "data": base64.b64encode(bytes(value["data"])).decode("ascii")}
+        return {
+            "dtype": value["dtype"],
+            "shape": list(value["shape"]),
+            "data": base64.b64encode(bytes(value["data"])).decode("ascii"),
+        }
     array = to_array(value)
     if array.dtype.kind == "f":
         return _nested(array.astype(np.float64).tolist())

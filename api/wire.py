@@ -3,10 +3,12 @@
 msgpack maps with a `type` tag and a protocol `version`. No torch, no pickle: both
 sides import this module. Custom outputs travel as {dtype, shape, data} with raw bytes.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 
@@ -23,6 +25,7 @@ ERROR_NAMES = {INVALID_PARAMS: "605_INVALID_PARAMS", EXECUTION_EXCEPTION: "606_E
 @dataclass
 class AddRequest:
     """API -> coordinator: a new request, already tokenized."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: dict  # SamplingParams.to_dict()
@@ -34,6 +37,7 @@ class AddRequest:
 @dataclass
 class AbortRequest:
     """API -> coordinator: drop a request (client went away, or a stop string matched)."""
+
     request_id: str
     TYPE = "abort"
 
@@ -44,6 +48,7 @@ class DrainRequest:
     KillMode signals every process of a unit): drain as on a signal to rank 0. signal_time:
     when it came, on the host's monotonic clock (both processes share it); rank 0 may read
     the message only after a long step."""
+
     signal: int
     signal_time: float = 0.0
     TYPE = "drain"
@@ -52,6 +57,7 @@ class DrainRequest:
 @dataclass
 class SequenceOutput:
     """New tokens of one sequence (index i of n / of the beams) since its last output."""
+
     index: int
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] | None = None
@@ -67,6 +73,7 @@ class SequenceOutput:
 class RequestOutput:
     """Coordinator -> API: one request's progress. The first output of every request has
     accepted=True or carries an error; later outputs carry new tokens."""
+
     request_id: str
     accepted: bool = True
     sequences: list[SequenceOutput] = field(default_factory=list)
@@ -92,6 +99,7 @@ class Outputs:
     not its first token, not finished), travels in two columns: request token_request_ids[i]
     got token new_token_ids[i]. Everything else is a full RequestOutput in `outputs`.
     Iterating yields every request's output, the columns expanded into RequestOutputs."""
+
     outputs: list[RequestOutput] = field(default_factory=list)
     token_request_ids: list[str] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)
@@ -109,6 +117,7 @@ class Outputs:
 @dataclass
 class EngineStats:
     """Coordinator -> API, about once a second: gauges for /metrics and /health."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int = 0
@@ -127,22 +136,27 @@ class Shutdown:
     """Coordinator -> API: the engine is stopping; answer new requests 503. `stopped`: it
     has stopped, so a request still waiting for outputs gets none (a failure exit) and is
     answered with an error at once."""
+
     reason: str = ""
     stopped: bool = False
     TYPE = "shutdown"
 
 
-_MESSAGE_TYPES = {cls.TYPE: cls for cls in (AddRequest, AbortRequest, DrainRequest, Outputs,
-                                            EngineStats, Shutdown)}
+_MESSAGE_TYPES = {
+    cls.TYPE: cls
+    for cls in (AddRequest, AbortRequest, DrainRequest, Outputs, EngineStats, Shutdown)
+}
 
 
 def encode(message: Any) -> bytes:
     """msgpack bytes of a message (Outputs, the per-step hot path, without asdict's deep
     copies: same bytes, several times faster)."""
     if isinstance(message, Outputs):
-        body = {"outputs": [_output_body(o) for o in message.outputs],
-                "token_request_ids": message.token_request_ids,
-                "new_token_ids": message.new_token_ids}
+        body = {
+            "outputs": [_output_body(o) for o in message.outputs],
+            "token_request_ids": message.token_request_ids,
+            "new_token_ids": message.new_token_ids,
+        }
     else:
         body = asdict(message)
     body["type"] = message.TYPE
@@ -156,8 +170,11 @@ def decode(data: bytes) -> Any:
         raise ValueError("wire protocol version mismatch")
     cls = _MESSAGE_TYPES[body.pop("type")]
     if cls is Outputs:
-        return Outputs([_request_output(o) for o in body["outputs"]],
-                       body["token_request_ids"], body["new_token_ids"])
+        return Outputs(
+            [_request_output(o) for o in body["outputs"]],
+            body["token_request_ids"],
+            body["new_token_ids"],
+        )
     return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
 
 

@@ -13,23 +13,30 @@ programs launched longest context first (as the backend launches them) and/or in
     python bench/decode_attention.py --model-config bench/configs/qwen3-8b.json \\
         --batch-sizes 1,16,64,128,256 --contexts 1024,100-2048 --max-model-len 4096
 """
+
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
-from model.kernels.decode import (decode_config, longest_first, make_decode_workspace,  # noqa: E402
-                                  paged_decode_attention)
-from model.triton_backend import decode_split_policy  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
+from tapserve.model.kernels.decode import (  # noqa: E402
+    decode_config,
+    longest_first,
+    make_decode_workspace,
+    paged_decode_attention,
+)
+from tapserve.model.triton_backend import decode_split_policy  # noqa: E402
 
 L2_FLUSH_BYTES = 512 << 20
 Config = tuple[int, int, int]  # BLOCK_N, num_warps, num_stages
@@ -38,8 +45,16 @@ Config = tuple[int, int, int]  # BLOCK_N, num_warps, num_stages
 class Case:
     """One batch's query, context lengths and `copies` block tables over distinct pages."""
 
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, page: int, batch: int,
-                 context: str, seed: int = 0):
+    def __init__(
+        self,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        page: int,
+        batch: int,
+        context: str,
+        seed: int = 0,
+    ):
         rng = random.Random(seed)
         lo, _, hi = context.partition("-")
         lens = [rng.randint(int(lo), int(hi or lo)) for _ in range(batch)]
@@ -55,21 +70,40 @@ class Case:
         self.lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
         self.q = torch.randn(batch, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         self.out = torch.empty_like(self.q)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.order: torch.Tensor | None = None  # seq_order: None is batch order
 
-    def run(self, copy: int, splits: int, config: Config | None,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        return paged_decode_attention(self.q, self.k, self.v, self.tables[copy], self.lens,
-                                      self.scale, out=self.out, num_kv_splits=splits,
-                                      workspace=workspace, config=config, seq_order=self.order)
+    def run(
+        self,
+        copy: int,
+        splits: int,
+        config: Config | None,
+        workspace: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            self.q,
+            self.k,
+            self.v,
+            self.tables[copy],
+            self.lens,
+            self.scale,
+            out=self.out,
+            num_kv_splits=splits,
+            workspace=workspace,
+            config=config,
+            seq_order=self.order,
+        )
 
     def seconds_per_call(self, splits: int, config: Config | None, replays: int = 10) -> float:
         q = self.q
         workspace = make_decode_workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
-        return seconds_per_replay(
-            lambda: [self.run(c, splits, config, workspace) for c in range(self.copies)],
-            replays) / self.copies
+        return (
+            seconds_per_replay(
+                lambda: [self.run(c, splits, config, workspace) for c in range(self.copies)],
+                replays,
+            )
+            / self.copies
+        )
 
 
 def parse_config(text: str) -> Config:
@@ -81,13 +115,19 @@ def timed(case: Case, splits: int, config: Config | None, reference: torch.Tenso
     """One timing row, with the output's largest difference from the policy's."""
     seconds = case.seconds_per_call(splits, config)
     error = (case.run(0, splits, config, None).float() - reference.float()).abs().max()
-    return {"splits": splits, "config": "x".join(map(str, config or decode_config(2))),
-            "us": round(seconds * 1e6, 2), "tb_s": round(case.kv_bytes / seconds / 1e12, 3),
-            "max_err": round(float(error), 4)}
+    return {
+        "splits": splits,
+        "config": "x".join(map(str, config or decode_config(2))),
+        "us": round(seconds * 1e6, 2),
+        "tb_s": round(case.kv_bytes / seconds / 1e12, 3),
+        "max_err": round(float(error), 4),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--page", type=int, default=16)
@@ -95,19 +135,26 @@ def main() -> None:
     p.add_argument("--contexts", default="1024,100-2048")
     p.add_argument("--max-model-len", type=int, default=4096, help="for the backend's policy")
     p.add_argument("--splits", default="1,2,4,8,16,32,64")
-    p.add_argument("--configs", default="64x4x2,64x4x3,64x8x2,128x4x2,128x8x2,128x8x3,32x4x2",
-                   help="BLOCK_Nxwarpsxstages, tried at stage 1's best --top")
+    p.add_argument(
+        "--configs",
+        default="64x4x2,64x4x3,64x8x2,128x4x2,128x8x2,128x8x3,32x4x2",
+        help="BLOCK_Nxwarpsxstages, tried at stage 1's best --top",
+    )
     p.add_argument("--top", type=int, default=3)
-    p.add_argument("--orders", default="longest-first",
-                   help="program launch orders to time: longest-first (the backend's), batch")
+    p.add_argument(
+        "--orders",
+        default="longest-first",
+        help="program launch orders to time: longest-first (the backend's), batch",
+    )
     p.add_argument("--json", help="write every timing to this file")
     args = p.parse_args()
     heads, kv_heads, head_dim = rank_heads(json.loads(Path(args.model_config).read_text()), args.tp)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     policy = decode_split_policy(args.max_model_len, num_sms)
     rows = []
-    for batch, context in itertools.product(map(int, args.batch_sizes.split(",")),
-                                            args.contexts.split(",")):
+    for batch, context in itertools.product(
+        map(int, args.batch_sizes.split(",")), args.contexts.split(",")
+    ):
         case = Case(heads, kv_heads, head_dim, args.page, batch, context)
         policy_splits = policy(batch, kv_heads)
         reference = case.run(0, policy_splits, None, None).clone()
@@ -115,14 +162,26 @@ def main() -> None:
             case.order = longest_first(case.lens) if order == "longest-first" else None
             now = timed(case, policy_splits, None, reference)
             stage1 = [timed(case, s, None, reference) for s in map(int, args.splits.split(","))]
-            best = sorted(stage1, key=lambda r: r["us"])[:args.top]
-            stage2 = [timed(case, r["splits"], parse_config(c), reference)
-                      for r in best for c in args.configs.split(",")]
+            best = sorted(stage1, key=lambda r: r["us"])[: args.top]
+            stage2 = [
+                timed(case, r["splits"], parse_config(c), reference)
+                for r in best
+                for c in args.configs.split(",")
+            ]
             winner = min(stage1 + stage2, key=lambda r: r["us"])
             key = {"batch": batch, "context": context, "order": order}
             rows += [{**key, **r} for r in [now] + stage1 + stage2]
-            print(json.dumps({**key, "policy": now, "best": winner,
-                              "us_by_splits": {r["splits"]: r["us"] for r in stage1}}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        **key,
+                        "policy": now,
+                        "best": winner,
+                        "us_by_splits": {r["splits"]: r["us"] for r in stage1},
+                    }
+                ),
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -4,26 +4,29 @@
     python bench/decode_sweep.py --model-config ../shared/reference/configs/qwen3-8b.json \
         --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 [--json out.json] [--profile-steps 16]
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.offline import config_dir, print_step_profile  # noqa: E402
-from coordinator.config import EngineConfig  # noqa: E402
-from coordinator.offline import LLM  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench.offline import config_dir, print_step_profile  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.offline import LLM  # noqa: E402
 
 if TYPE_CHECKING:
-    from ranks.runner import ModelRunner
+    from tapserve.ranks.runner import ModelRunner
 
 PEAK_BYTES_PER_S = 4.3e12
 
@@ -44,8 +47,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_decode(llm: LLM, batch: int, context: int, steps: int,
-                profile_steps: int = 0) -> tuple[float, float]:
+def time_decode(
+    llm: LLM, batch: int, context: int, steps: int, profile_steps: int = 0
+) -> tuple[float, float]:
     """Mean decode step time with `batch` sequences running throughout, and their mean
     context length over the timed steps (early-admitted sequences decode while later prompts
     prefill, so they are longer than `context`)."""
@@ -53,9 +57,13 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int,
     room = engine.options.max_model_len - context
     params = SamplingParams(max_new_tokens=room, temperature=0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+        engine.add_request(
+            f"b{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(context)], params
+        )
+    while (
+        any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     for _ in range(3):
         engine.step()
@@ -91,36 +99,60 @@ def replay_graph(llm: LLM, batch: int, replays: int) -> None:
     for _ in range(replays):
         graph.replay()
     sync()
-    print(json.dumps({"batch": batch, "graph_replay_ms":
-                      round((time.perf_counter() - start) / replays * 1e3, 3)}))
+    print(
+        json.dumps(
+            {
+                "batch": batch,
+                "graph_replay_ms": round((time.perf_counter() - start) / replays * 1e3, 3),
+            }
+        )
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True)
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--json")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="after timing each batch, profile this many steps (GPU kernel time vs wall)")
-    p.add_argument("--max-model-len", type=int,
-                   help="the engine's context limit (it sets the decode KV split count); "
-                        "raised to what the run needs if smaller; default: just that")
-    p.add_argument("--async-scheduling", default="on",
-                   help="on, off, or on,off: each batch timed in each mode in turn "
-                        "(coordinator/run_ahead.py)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after timing each batch, profile this many steps (GPU kernel time vs wall)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the engine's context limit (it sets the decode KV split count); "
+        "raised to what the run needs if smaller; default: just that",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        default="on",
+        help="on, off, or on,off: each batch timed in each mode in turn (coordinator/run_ahead.py)",
+    )
     args = p.parse_args()
     modes = [{"on": True, "off": False}[m] for m in args.async_scheduling.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
     prefill_steps = -(-max(batches) * args.context // budget)
     run_len = args.context + prefill_steps + args.steps + args.profile_steps + 64
-    llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                           max_num_seqs=max(batches), max_num_batched_tokens=budget,
-                           max_model_len=max(run_len, args.max_model_len or 0),
-                           enforce_eager=args.enforce_eager, enable_prefix_caching=False))
+    llm = LLM(
+        EngineConfig(
+            model=config_dir(args.model_config),
+            load_format="dummy",
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=budget,
+            max_model_len=max(run_len, args.max_model_len or 0),
+            enforce_eager=args.enforce_eager,
+            enable_prefix_caching=False,
+        )
+    )
     wbytes = weight_bytes(llm.runner)
     kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
     rows = []
@@ -137,11 +169,18 @@ def main() -> None:
                 print(f"batch {b}: {e}")
                 break
             read = wbytes + b * mean_context * kv_per_token
-            rows.append({"batch": b, "context": args.context, "mean_context": round(mean_context),
-                         "async_scheduling": run_ahead, "step_ms": round(t * 1e3, 3),
-                         "tokens_per_s": round(b / t, 1),
-                         "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
-                         "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3)})
+            rows.append(
+                {
+                    "batch": b,
+                    "context": args.context,
+                    "mean_context": round(mean_context),
+                    "async_scheduling": run_ahead,
+                    "step_ms": round(t * 1e3, 3),
+                    "tokens_per_s": round(b / t, 1),
+                    "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
+                    "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         else:
             continue

@@ -10,24 +10,27 @@ FLOPs count the causal product only (QK^T and PV over the keys each row sees).
 
     python bench/extend_attention.py --model-config bench/configs/qwen3-8b.json
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
-from model.attention import AttentionMetadata  # noqa: E402
-from model.kernels import extend_attention  # noqa: E402
-from model.kernels.extend import extend_config, extend_work  # noqa: E402
-from model.triton_backend import make_triton_backend  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.bench.kernel_timing import rank_heads, seconds_per_replay  # noqa: E402
+from tapserve.model.attention import AttentionMetadata  # noqa: E402
+from tapserve.model.kernels import extend_attention  # noqa: E402
+from tapserve.model.kernels.extend import extend_config, extend_work  # noqa: E402
+from tapserve.model.triton_backend import make_triton_backend  # noqa: E402
 
 
 def shapes(tokens: int, decode_rows: int, long: int) -> dict[str, tuple[list[int], list[int]]]:
@@ -37,9 +40,11 @@ def shapes(tokens: int, decode_rows: int, long: int) -> dict[str, tuple[list[int
     while sum(prompts) < tokens:
         prompts.append(min(rng.randint(100, 1024), tokens - sum(prompts)))
     decoding = [rng.randint(100, 1100) for _ in range(decode_rows)]
-    return {"prefill": (prompts, [0] * len(prompts)),
-            "mixed": (prompts + [1] * decode_rows, [0] * len(prompts) + [c - 1 for c in decoding]),
-            "long": ([long], [0])}
+    return {
+        "prefill": (prompts, [0] * len(prompts)),
+        "mixed": (prompts + [1] * decode_rows, [0] * len(prompts) + [c - 1 for c in decoding]),
+        "long": ([long], [0]),
+    }
 
 
 def make_meta(q_lens: list[int], prefix: list[int], page: int, device: str) -> AttentionMetadata:
@@ -50,15 +55,18 @@ def make_meta(q_lens: list[int], prefix: list[int], page: int, device: str) -> A
     tables = torch.zeros(len(ctx), max(blocks), dtype=torch.int32)
     used = 0
     for i, n in enumerate(blocks):
-        tables[i, :n] = pages[used:used + n]
+        tables[i, :n] = pages[used : used + n]
         used += n
     starts = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
     return AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), is_decode=False, query_start_loc_host=starts,
-        context_lens_host=ctx)
+        block_tables=tables.to(device),
+        is_decode=False,
+        query_start_loc_host=starts,
+        context_lens_host=ctx,
+    )
 
 
 def causal_flops(q_lens: list[int], prefix: list[int], heads: int, head_dim: int) -> float:
@@ -67,15 +75,20 @@ def causal_flops(q_lens: list[int], prefix: list[int], heads: int, head_dim: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--decode-rows", type=int, default=200)
     p.add_argument("--long", type=int, default=4096)
-    p.add_argument("--configs", default="64x64x8x2,64x64x4x2,128x64x8x2,128x32x8x2,64x32x4x2,128x64x8x3",
-                   help="BLOCK_MxBLOCK_Nxwarpsxstages for the extend kernel alone")
+    p.add_argument(
+        "--configs",
+        default="64x64x8x2,64x64x4x2,128x64x8x2,128x32x8x2,64x32x4x2,128x64x8x3",
+        help="BLOCK_MxBLOCK_Nxwarpsxstages for the extend kernel alone",
+    )
     args = p.parse_args()
     heads, kv_heads, head_dim = rank_heads(json.loads(Path(args.model_config).read_text()), args.tp)
     cases = shapes(args.tokens, args.decode_rows, args.long)
@@ -88,18 +101,34 @@ def main() -> None:
         k = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(cache, device="cuda", dtype=torch.bfloat16)
         q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
         flops = causal_flops(q_lens, prefix, heads, head_dim)
-        row = {"shape": name, "seqs": len(q_lens), "tokens": sum(q_lens), "gflop": round(flops / 1e9, 2)}
+        row = {
+            "shape": name,
+            "seqs": len(q_lens),
+            "tokens": sum(q_lens),
+            "gflop": round(flops / 1e9, 2),
+        }
         seconds = seconds_per_replay(lambda: backend.extend(q, k, v, meta, scale), 20)
         row["backend_ms"] = round(seconds * 1e3, 3)
         row["backend_tflops"] = round(flops / seconds / 1e12, 1)
         for config in [None] + [tuple(map(int, c.split("x"))) for c in args.configs.split(",")]:
             block_m = (config or extend_config(2, head_dim))[0]
             work = torch.from_numpy(extend_work(np.diff(meta.query_start_loc_host), block_m)).cuda()
-            seconds = seconds_per_replay(lambda: extend_attention(
-                q, k, v, meta.query_start_loc, meta.context_lens, meta.block_tables, scale,
-                work=work, config=config), 20)
+            seconds = seconds_per_replay(
+                lambda: extend_attention(
+                    q,
+                    k,
+                    v,
+                    meta.query_start_loc,
+                    meta.context_lens,
+                    meta.block_tables,
+                    scale,
+                    work=work,
+                    config=config,
+                ),
+                20,
+            )
             key = "x".join(map(str, config)) if config else "default"
             row[f"extend_only_{key}_ms"] = round(seconds * 1e3, 3)
         print(json.dumps(row), flush=True)

@@ -8,6 +8,7 @@ Rank 0 spins for the gap, then broadcasts; each rank notes when its call returns
 (time.perf_counter_ns: one clock for the processes of a host). Prints, per gap, the median
 µs until rank 0's call returns and until rank 1 holds the bytes, after rank 0's call starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     buffer = torch.zeros(args.bytes, dtype=torch.uint8)
     for gap in (float(g) for g in args.gaps_ms.split(",")):
-        marks = rounds(buffer, int(gap * 1e6), args.rounds)[args.warmup:]
+        marks = rounds(buffer, int(gap * 1e6), args.rounds)[args.warmup :]
         both = [None] * dist.get_world_size()
         dist.all_gather_object(both, marks)
         if dist.get_rank() == 0:
             sends = [(end - start) / 1e3 for start, end in both[0]]
             holds = [(got[0] - start) / 1e3 for (start, _), got in zip(both[0], both[1])]
-            print(f"gap {gap} ms: send returns {statistics.median(sends):.0f} µs, "
-                  f"rank 1 holds the bytes {statistics.median(holds):.0f} µs")
+            print(
+                f"gap {gap} ms: send returns {statistics.median(sends):.0f} µs, "
+                f"rank 1 holds the bytes {statistics.median(holds):.0f} µs"
+            )
     dist.destroy_process_group()
 
 

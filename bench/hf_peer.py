@@ -11,23 +11,27 @@ so it is a command of its own. The clock starts after `manager.start()` returns,
 before the first request is added. `--num-seqs 4 --max-input 110 --max-output 105` runs a small case (CPU too)
 to check the script (lengths are drawn from [100, max]).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.offline import workload  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.bench.offline import workload  # noqa: E402
 
 
 def load_model(config_json: str, device: str):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     raw = json.loads(Path(config_json).read_text())
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     torch.manual_seed(0)
@@ -35,13 +39,22 @@ def load_model(config_json: str, device: str):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
-def run(model, prompts: list[list[int]], max_new: list[int],
-        time_limit: float) -> tuple[float, int, int]:
+def run(
+    model, prompts: list[list[int]], max_new: list[int], time_limit: float
+) -> tuple[float, int, int]:
     """(seconds, output tokens, requests finished) through one continuous-batching manager;
     at time_limit seconds it stops waiting and reports what finished by then."""
     from transformers import GenerationConfig
-    gen = GenerationConfig(do_sample=True, temperature=0.6, top_p=1.0, top_k=0,
-                           max_new_tokens=max(max_new), eos_token_id=-1, pad_token_id=0)
+
+    gen = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max(max_new),
+        eos_token_id=-1,
+        pad_token_id=0,
+    )
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
     start = time.perf_counter()
@@ -65,26 +78,37 @@ def run(model, prompts: list[list[int]], max_new: list[int],
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True, help="a config.json (random weights)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input", type=int, default=1024)
     p.add_argument("--max-output", type=int, default=1024)
     p.add_argument("--ours-seconds", type=float, help="tapserve's time on the same workload")
-    p.add_argument("--time-limit", type=float, default=3600,
-                   help="stop waiting after this many seconds and report the requests finished")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=3600,
+        help="stop waiting after this many seconds and report the requests finished",
+    )
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(args.model_config, device)
     prompts, params = workload(args.num_seqs, args.max_input, args.max_output)
-    seconds, tokens, finished = run(model, prompts, [sp.max_new_tokens for sp in params],
-                                    args.time_limit)
+    seconds, tokens, finished = run(
+        model, prompts, [sp.max_new_tokens for sp in params], args.time_limit
+    )
     import transformers
-    out = {"peer": f"transformers {transformers.__version__} continuous batching",
-           "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "seconds": round(seconds, 3), "requests_finished": f"{finished} of {len(prompts)}",
-           "output_tokens": tokens,
-           "output_tokens_per_s": round(tokens / seconds, 1)}
+
+    out = {
+        "peer": f"transformers {transformers.__version__} continuous batching",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "seconds": round(seconds, 3),
+        "requests_finished": f"{finished} of {len(prompts)}",
+        "output_tokens": tokens,
+        "output_tokens_per_s": round(tokens / seconds, 1),
+    }
     if args.ours_seconds and finished == len(prompts):
         out["ratio_to_ours"] = round(seconds / args.ours_seconds, 1)
     print(json.dumps(out))

@@ -1,10 +1,11 @@
 """A reward head for bench/best_of_n.py: the linear head of bench/last_token_head.py on each
 sequence's last generated token (LAST_GENERATED), or on the last prompt token for the separate
 scoring requests ({"mode": "last_prompt_token"}), or nothing ({"mode": "none"})."""
+
 from __future__ import annotations
 
-from bench.last_token_head import LastTokenLinearHead
-from model.custom_output import CustomOutputHandler
+from tapserve.bench.last_token_head import LastTokenLinearHead
+from tapserve.model.custom_output import CustomOutputHandler
 
 
 class LastGeneratedRewardHead(LastTokenLinearHead):

@@ -1,11 +1,12 @@
 """A benchmark deployment head: a linear layer (hidden -> 1, float32) on the last prompt token
 of every request (the base class's default selector; {"position": -1} opts a request out),
 with weights made on first use (no checkpoint tensors needed)."""
+
 from __future__ import annotations
 
 import torch
 
-from model.custom_output import CustomOutputHandler
+from tapserve.model.custom_output import CustomOutputHandler
 
 
 class LastTokenLinearHead(CustomOutputHandler):
@@ -15,6 +16,10 @@ class LastTokenLinearHead(CustomOutputHandler):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
             g = torch.Generator(device=hidden.device).manual_seed(0)
-            self.weight = torch.randn(hidden.shape[1], 1, generator=g, device=hidden.device,
-                                      dtype=hidden.dtype) * hidden.shape[1] ** -0.5
+            self.weight = (
+                torch.randn(
+                    hidden.shape[1], 1, generator=g, device=hidden.device, dtype=hidden.dtype
+                )
+                * hidden.shape[1] ** -0.5
+            )
         return (hidden @ self.weight).float()[:, 0]

@@ -20,6 +20,7 @@ Prints a JSON summary; exit status 0 when every check passed.
     python bench/load_test.py                              # 2,000 requests, 256 concurrent
     python bench/load_test.py --requests 200 --concurrency 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,15 +35,19 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from tests.api_helpers import LiveServer, metric, wait_for  # noqa: E402
-from tests.proc_helpers import api_pid, rss_kib  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tests.helpers.api import LiveServer, metric, wait_for  # noqa: E402
+from tests.helpers.procs import api_pid, rss_kib  # noqa: E402
 
 API_KEY = "load-test-key"
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
-         "rho sigma tau upsilon phi chi psi omega the quick brown fox jumps over lazy dog").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+    "rho sigma tau upsilon phi chi psi omega the quick brown fox jumps over lazy dog"
+).split()
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -53,11 +58,23 @@ def rss(pids: dict[str, int]) -> dict[str, int]:
 # ---- one request ----------------------------------------------------------------------------
 def make_request(i: int, rng: random.Random) -> dict:
     chat = rng.random() < 0.3
-    spec = {"i": i, "chat": chat, "stream": rng.random() < 0.5, "n": rng.randint(1, 3),
-            "max_tokens": rng.randint(1, 24)}
+    spec = {
+        "i": i,
+        "chat": chat,
+        "stream": rng.random() < 0.5,
+        "n": rng.randint(1, 3),
+        "max_tokens": rng.randint(1, 24),
+    }
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40)))
-    body = {"model": "tapserve-demo", "max_tokens": spec["max_tokens"], "n": spec["n"],
-            "ignore_eos": True, "temperature": 0.8, "seed": i, "stream": spec["stream"]}
+    body = {
+        "model": "tapserve-demo",
+        "max_tokens": spec["max_tokens"],
+        "n": spec["n"],
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": spec["stream"],
+    }
     if chat:
         body.update(messages=[{"role": "user", "content": text}], logprobs=True)
     else:
@@ -147,20 +164,25 @@ async def drive(server: LiveServer, specs: list[dict], concurrency: int) -> list
     sem = asyncio.Semaphore(concurrency)
     # keep-alive expiry below uvicorn's 5 s timeout_keep_alive: otherwise a pooled connection the
     # server is just closing can be reused (the client then sees a ReadError, see docs)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency,
-                          keepalive_expiry=2.0)
+    limits = httpx.Limits(
+        max_connections=concurrency + 8, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
 
-    async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=1800,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=server.url, headers=server.headers, timeout=1800, limits=limits
+    ) as client:
+
         async def one(spec):
             async with sem:
                 return await send(client, spec)
+
         return await asyncio.gather(*(one(s) for s in specs))
 
 
 # ---- the run -------------------------------------------------------------------------------
-def run(requests: int = 2000, concurrency: int = 256, seed: int = 0,
-        server_args: tuple[str, ...] = ()) -> dict:
+def run(
+    requests: int = 2000, concurrency: int = 256, seed: int = 0, server_args: tuple[str, ...] = ()
+) -> dict:
     rng = random.Random(seed)
     specs = [make_request(i, rng) for i in range(requests)]
     server = LiveServer(*server_args, api_key=API_KEY)
@@ -177,22 +199,29 @@ def run(requests: int = 2000, concurrency: int = 256, seed: int = 0,
         failed = [(s["i"], e) for s, e in zip(specs, errors) if e is not None]
         tokens = sum(s["n"] * s["max_tokens"] for s in specs)
         summary = {
-            "requests": requests, "concurrency": concurrency, "seed": seed,
+            "requests": requests,
+            "concurrency": concurrency,
+            "seed": seed,
             "streaming": sum(s["stream"] for s in specs),
             "chat": sum(s["chat"] for s in specs),
             "n_counts": {k: sum(s["n"] == k for s in specs) for k in (1, 2, 3)},
-            "completed_ok": requests - len(failed), "failed": len(failed),
+            "completed_ok": requests - len(failed),
+            "failed": len(failed),
             "failures": failed[:20],
-            "expected_output_tokens": tokens, "wall_s": round(wall, 1),
-            "output_tok_per_s": round(tokens / wall, 1), "requests_per_s": round(requests / wall, 2),
+            "expected_output_tokens": tokens,
+            "wall_s": round(wall, 1),
+            "output_tok_per_s": round(tokens / wall, 1),
+            "requests_per_s": round(requests / wall, 2),
             "kv_blocks_used_at_end": metric(server, "tapserve_kv_blocks_used"),
             "kv_blocks_total": metric(server, "tapserve_kv_blocks_total"),
-            "all_blocks_free": blocks_free, "api_requests_in_flight_at_end": in_flight,
-            "rss_kib_before": rss_before, "rss_kib_after": rss_after,
+            "all_blocks_free": blocks_free,
+            "api_requests_in_flight_at_end": in_flight,
+            "rss_kib_before": rss_before,
+            "rss_kib_after": rss_after,
             "rss_growth_kib": {k: rss_after[k] - rss_before[k] for k in pids},
             "server_alive": server.proc.poll() is None,
         }
-        summary["ok"] = (not failed and blocks_free and in_flight == 0 and summary["server_alive"])
+        summary["ok"] = not failed and blocks_free and in_flight == 0 and summary["server_alive"]
     finally:
         code = server.stop()
     summary["server_exit_code"] = code
@@ -205,8 +234,12 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra launch.py argument (repeatable), e.g. --server-arg=--output-workers=2")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra launch.py argument (repeatable), e.g. --server-arg=--output-workers=2",
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     summary = run(args.requests, args.concurrency, args.seed, tuple(args.server_arg))

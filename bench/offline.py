@@ -20,6 +20,7 @@ compile, then aborted) and prints torch.profiler's GPU kernel time of the second
 the prefill and mixed steps, where the prompts are computed. Profile with TAPSERVE_PDL=0
 (under programmatic dependent launch a kernel's wait for its predecessor counts as its time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,25 +28,33 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from coordinator.config import EngineConfig  # noqa: E402
-from coordinator.engine import Engine  # noqa: E402
-from coordinator.offline import LLM  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.engine import Engine  # noqa: E402
+from tapserve.coordinator.offline import LLM  # noqa: E402
 
 
 def workload(num_seqs: int, max_input: int, max_output: int, seed: int = 0):
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
-               for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_new_tokens=random.randint(100, max_output)) for _ in range(num_seqs)]
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, max_input))]
+        for _ in range(num_seqs)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.6, ignore_eos=True, max_new_tokens=random.randint(100, max_output)
+        )
+        for _ in range(num_seqs)
+    ]
     return prompts, params
 
 
@@ -66,14 +75,27 @@ def head_ab(llm: LLM, prompts, params, args) -> None:
         start = time.perf_counter()
         llm.generate(prompts, params, custom_output_params=custom)
         rounds[mode].append(round(time.perf_counter() - start, 3))
-        print(json.dumps({"round": r, "head": mode, "seconds": rounds[mode][-1],
-                          "handler_calls": llm.engine.custom_stats.calls - calls}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "round": r,
+                    "head": mode,
+                    "seconds": rounds[mode][-1],
+                    "handler_calls": llm.engine.custom_stats.calls - calls,
+                }
+            ),
+            flush=True,
+        )
     best = {m: min(v) for m, v in rounds.items()}
     median = {m: statistics.median(v) for m, v in rounds.items()}
-    figures = {"custom_module": args.custom_module, "rounds": rounds,
-               "best_on_s": best["on"], "best_off_s": best["off"],
-               "cost_best": round(best["on"] / best["off"] - 1, 4),
-               "cost_median": round(median["on"] / median["off"] - 1, 4)}
+    figures = {
+        "custom_module": args.custom_module,
+        "rounds": rounds,
+        "best_on_s": best["on"],
+        "best_off_s": best["off"],
+        "cost_best": round(best["on"] / best["off"] - 1, 4),
+        "cost_median": round(median["on"] / median["off"] - 1, 4),
+    }
     print(json.dumps(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
@@ -85,6 +107,7 @@ def print_step_profile(engine: Engine, steps: int, top: int = 12) -> None:
     and the kernels that take the most time, per step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -92,16 +115,28 @@ def print_step_profile(engine: Engine, steps: int, top: int = 12) -> None:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    kernels = [
+        e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"
+    ]
     gpu = sum(e.device_time_total for e in kernels) / steps / 1e3
-    print(json.dumps({"profiled_steps": steps, "wall_ms_per_step": round(wall * 1e3, 3),
-                      "gpu_kernel_ms_per_step": round(gpu, 3)}))
+    print(
+        json.dumps(
+            {
+                "profiled_steps": steps,
+                "wall_ms_per_step": round(wall * 1e3, 3),
+                "gpu_kernel_ms_per_step": round(gpu, 3),
+            }
+        )
+    )
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
-        print(f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}")
+        print(
+            f"  {e.device_time_total / steps / 1e3:8.3f} ms/step {e.count // steps:5d}x  {e.key[:90]}"
+        )
 
 
-def profile_first_steps(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
-                        steps: int) -> None:
+def profile_first_steps(
+    llm: LLM, prompts: list[list[int]], params: list[SamplingParams], steps: int
+) -> None:
     """The workload's first `steps` steps, once to compile (then aborted), once profiled."""
     engine = llm.engine
     for attempt in ("warm", "profiled"):
@@ -152,16 +187,31 @@ def async_ab(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], r
             llm.generate(prompts, params)
             elapsed = time.perf_counter() - start
             best[run_ahead] = min(best.get(run_ahead, elapsed), elapsed)
-            print(json.dumps({"round": r, "async_scheduling": run_ahead,
-                              "seconds": round(elapsed, 3)}), flush=True)
-    print(json.dumps({"best_async": round(best[True], 3), "best_sync": round(best[False], 3),
-                      "speedup": round(best[False] / best[True], 4)}))
+            print(
+                json.dumps(
+                    {"round": r, "async_scheduling": run_ahead, "seconds": round(elapsed, 3)}
+                ),
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {
+                "best_async": round(best[True], 3),
+                "best_sync": round(best[False], 3),
+                "speedup": round(best[False] / best[True], 4),
+            }
+        )
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", help="checkpoint folder (weights loaded)")
-    p.add_argument("--model-config", help="config.json of a real model: random weights of its shapes")
+    p.add_argument(
+        "--model-config", help="config.json of a real model: random weights of its shapes"
+    )
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
@@ -172,27 +222,44 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--floor-seconds", type=float, help="roofline floor to report the ratio to")
     p.add_argument("--json", help="write the figures to this file")
-    p.add_argument("--step-kinds", action="store_true",
-                   help="steps and seconds per plan kind (prefill / mixed / decode)")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="profile the workload's first N steps instead of timing it (GPU)")
-    p.add_argument("--ab-rounds", type=int, default=0,
-                   help="head on / head off rounds (needs --custom-module)")
-    p.add_argument("--async-ab", type=int, default=0, metavar="ROUNDS",
-                   help="asynchronous scheduling on / off rounds in one process")
+    p.add_argument(
+        "--step-kinds",
+        action="store_true",
+        help="steps and seconds per plan kind (prefill / mixed / decode)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="profile the workload's first N steps instead of timing it (GPU)",
+    )
+    p.add_argument(
+        "--ab-rounds", type=int, default=0, help="head on / head off rounds (needs --custom-module)"
+    )
+    p.add_argument(
+        "--async-ab",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="asynchronous scheduling on / off rounds in one process",
+    )
     p.add_argument("--no-async-scheduling", action="store_true")
     args = p.parse_args()
     if args.ab_rounds and not args.custom_module:
         p.error("--ab-rounds needs --custom-module")
     model = args.model or config_dir(args.model_config)
-    config = EngineConfig(model=model, load_format="safetensors" if args.model else "dummy",
-                          custom_module=args.custom_module, enforce_eager=args.enforce_eager,
-                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          # the A/B rounds and the profile's second pass must recompute prompts
-                          enable_prefix_caching=not (args.ab_rounds or args.profile_steps
-                                                     or args.async_ab),
-                          async_scheduling=False if args.no_async_scheduling else None)
+    config = EngineConfig(
+        model=model,
+        load_format="safetensors" if args.model else "dummy",
+        custom_module=args.custom_module,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        # the A/B rounds and the profile's second pass must recompute prompts
+        enable_prefix_caching=not (args.ab_rounds or args.profile_steps or args.async_ab),
+        async_scheduling=False if args.no_async_scheduling else None,
+    )
     llm = LLM(config)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # warm-up
@@ -211,9 +278,14 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     in_tokens = sum(len(x) for x in prompts)
-    figures = {"input_tokens": in_tokens, "output_tokens": out_tokens, "seconds": round(elapsed, 3),
-               "output_tokens_per_s": round(out_tokens / elapsed, 1),
-               "custom_module": args.custom_module, "kv_blocks": llm.runner.num_blocks}
+    figures = {
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "seconds": round(elapsed, 3),
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "custom_module": args.custom_module,
+        "kv_blocks": llm.runner.num_blocks,
+    }
     if args.floor_seconds:
         figures["ratio_to_floor"] = round(elapsed / args.floor_seconds, 2)
     if kinds is not None:

@@ -44,6 +44,7 @@ sends, the median step of the best bare round and `median_ratio`, the median pla
 (build + send) over the median bare broadcast: what a typical step costs, without the
 occasional slow step that the means carry.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -61,17 +61,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from coordinator.blocks import BlockManager  # noqa: E402
-from coordinator.config import PLAN_POLL_SECONDS  # noqa: E402
-from coordinator.planner import Planner  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
-from coordinator.scheduled_batch import ScheduledBatch
-from coordinator.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from coordinator.sequence import Request, SequenceFactory  # noqa: E402
-from ranks.group import PlanChannel  # noqa: E402
-from ranks.plan import block_table_dtype, encode_plan  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.coordinator.blocks import BlockManager  # noqa: E402
+from tapserve.coordinator.config import PLAN_POLL_SECONDS  # noqa: E402
+from tapserve.coordinator.planner import Planner  # noqa: E402
+from tapserve.coordinator.scheduled_batch import ScheduledBatch
+from tapserve.coordinator.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from tapserve.coordinator.sequence import Request, SequenceFactory  # noqa: E402
+from tapserve.ranks.group import PlanChannel  # noqa: E402
+from tapserve.ranks.plan import block_table_dtype, encode_plan  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -83,7 +86,9 @@ class DecodingBatch:
     def __init__(self, batch: int, context: int, steps: int):
         blocks = batch * (-(-(context + steps) // BLOCK_SIZE) + 1)
         self.table_dtype = block_table_dtype(blocks)  # as the engine picks it for its pool
-        self.scheduler = Scheduler(SchedulerConfig(batch, 1 << 30), BlockManager(blocks, BLOCK_SIZE))
+        self.scheduler = Scheduler(
+            SchedulerConfig(batch, 1 << 30), BlockManager(blocks, BLOCK_SIZE)
+        )
         factory = SequenceFactory()
         for i in range(batch):
             prompt = [(7919 * i + j) % 50000 for j in range(context - i % BLOCK_SIZE)]
@@ -117,13 +122,17 @@ def worker(rank: int, port: int, args, results) -> None:
         os.sched_setaffinity(0, range(first, first + args.cpus_per_rank))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # plans on a gloo group of their own, one channel for the whole run, as in the engine
-    spin_ms = args.spin_ms if args.spin_ms is not None else (
-        PLAN_POLL_SECONDS * 1e3 if torch.cuda.is_available() else 0.0)  # as the engine's ranks
+    spin_ms = (
+        args.spin_ms
+        if args.spin_ms is not None
+        else (PLAN_POLL_SECONDS * 1e3 if torch.cuda.is_available() else 0.0)
+    )  # as the engine's ranks
     channel = PlanChannel(dist.new_group(backend="gloo"), spin_s=spin_ms / 1e3 if rank else 0.0)
     if args.no_decode and rank == 1:
-        import ranks.group
-        ranks.group.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
-        ranks.group.PlanDecoder.decode = lambda self, payload: None
+        from tapserve.ranks import group as group_module
+
+        group_module.decode_plan = lambda payload, **kw: None  # the bytes arrive; nothing read
+        group_module.PlanDecoder.decode = lambda self, payload: None
     decode_seconds = _time_plan_decoding() if rank == 1 else [0.0]
     # the bare broadcast's size: the plan halfway through a round (tables grow as it decodes)
     sizes = torch.zeros(1, dtype=torch.int64)
@@ -202,19 +211,27 @@ def worker(rank: int, port: int, args, results) -> None:
                 phases[key].append(spent[key] / args.steps * 1e6)
     results[f"phases_rank{rank}"] = {k: round(min(v), 1) for k, v in phases.items() if v}
     if rank == 0:
-        results.update({"batch": args.batch, "context": args.context, "plan_bytes": nbytes,
-                        "bare_broadcast_ms": round(timings["bare"], 3),
-                        "paced_bare_broadcast_ms": round(timings["paced"], 3),
-                        "plan_build_and_broadcast_ms": round(timings["plan"], 3),
-                        "ratio": round(timings["plan"] / timings["bare"], 2),
-                        "ratio_to_paced": round(timings["plan"] / timings["paced"], 2),
-                        "median_step_us": {k: round(statistics.median(v) * 1e6, 1)
-                                           for k, v in per_step.items() if v},
-                        "median_bare_us": round(statistics.median(bare_steps) * 1e6, 1),
-                        "median_ratio": round(_median_plan_step(per_step)
-                                              / statistics.median(bare_steps), 2),
-                        "send_us_quantiles": _quantiles(per_step["send"]),
-                        "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps)]})
+        results.update(
+            {
+                "batch": args.batch,
+                "context": args.context,
+                "plan_bytes": nbytes,
+                "bare_broadcast_ms": round(timings["bare"], 3),
+                "paced_bare_broadcast_ms": round(timings["paced"], 3),
+                "plan_build_and_broadcast_ms": round(timings["plan"], 3),
+                "ratio": round(timings["plan"] / timings["bare"], 2),
+                "ratio_to_paced": round(timings["plan"] / timings["paced"], 2),
+                "median_step_us": {
+                    k: round(statistics.median(v) * 1e6, 1) for k, v in per_step.items() if v
+                },
+                "median_bare_us": round(statistics.median(bare_steps) * 1e6, 1),
+                "median_ratio": round(
+                    _median_plan_step(per_step) / statistics.median(bare_steps), 2
+                ),
+                "send_us_quantiles": _quantiles(per_step["send"]),
+                "first_step_us": [round(max(t) * 1e6) for t in zip(*first_steps)],
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -231,14 +248,20 @@ def _median_plan_step(per_step: dict[str, list[float]]) -> float:
 def _quantiles(seconds: list[float]) -> dict[str, float]:
     """p10, p50, p90, p99 and max of one round's per-step times, in microseconds."""
     q = statistics.quantiles(seconds, n=100, method="inclusive")
-    return {"p10": round(q[9] * 1e6, 1), "p50": round(q[49] * 1e6, 1), "p90": round(q[89] * 1e6, 1),
-            "p99": round(q[98] * 1e6, 1), "max": round(max(seconds) * 1e6, 1)}
+    return {
+        "p10": round(q[9] * 1e6, 1),
+        "p50": round(q[49] * 1e6, 1),
+        "p90": round(q[89] * 1e6, 1),
+        "p99": round(q[98] * 1e6, 1),
+        "max": round(max(seconds) * 1e6, 1),
+    }
 
 
 def _time_plan_decoding() -> list[float]:
     """Make PlanChannel.recv's decodes (PlanDecoder's, and decode_plan for a plan sent in two
     broadcasts) add their seconds to the returned one-item list."""
-    import ranks.group
+    from tapserve.ranks import group as group_module
+
     seconds = [0.0]
 
     def timed(decode):
@@ -247,32 +270,57 @@ def _time_plan_decoding() -> list[float]:
             plan = decode(*args, **kwargs)
             seconds[0] += time.perf_counter() - start
             return plan
+
         return run
-    ranks.group.decode_plan = timed(ranks.group.decode_plan)
-    ranks.group.PlanDecoder.decode = timed(ranks.group.PlanDecoder.decode)
+
+    group_module.decode_plan = timed(group_module.decode_plan)
+    group_module.PlanDecoder.decode = timed(group_module.PlanDecoder.decode)
     return seconds
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--width-step", type=int, default=16,
-                   help="the planner's block-table padding (columns; 1 = none)")
-    p.add_argument("--encode", action="store_true",
-                   help="send each plan encoded, not from its laid-out message (for comparison)")
-    p.add_argument("--no-decode", action="store_true",
-                   help="rank 1 receives the bytes but does not decode them (for comparison)")
-    p.add_argument("--spin-ms", type=float, default=None,
-                   help="rank 1 polls for each plan this long before it blocks (default: as "
-                        "the engine, 5 on a machine with CUDA, else 0)")
-    p.add_argument("--int32-tables", action="store_true",
-                   help="block tables in int32 even where uint16 holds the pool (for comparison)")
-    p.add_argument("--cpus-per-rank", type=int, default=0,
-                   help="pin rank r (and the gloo threads it starts) to cores "
-                        "[r*K, (r+1)*K) (default 0: no pinning)")
+    p.add_argument(
+        "--width-step",
+        type=int,
+        default=16,
+        help="the planner's block-table padding (columns; 1 = none)",
+    )
+    p.add_argument(
+        "--encode",
+        action="store_true",
+        help="send each plan encoded, not from its laid-out message (for comparison)",
+    )
+    p.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="rank 1 receives the bytes but does not decode them (for comparison)",
+    )
+    p.add_argument(
+        "--spin-ms",
+        type=float,
+        default=None,
+        help="rank 1 polls for each plan this long before it blocks (default: as "
+        "the engine, 5 on a machine with CUDA, else 0)",
+    )
+    p.add_argument(
+        "--int32-tables",
+        action="store_true",
+        help="block tables in int32 even where uint16 holds the pool (for comparison)",
+    )
+    p.add_argument(
+        "--cpus-per-rank",
+        type=int,
+        default=0,
+        help="pin rank r (and the gloo threads it starts) to cores "
+        "[r*K, (r+1)*K) (default 0: no pinning)",
+    )
     args = p.parse_args()
     if args.cpus_per_rank * 2 > len(os.sched_getaffinity(0)):
         p.error("--cpus-per-rank: not enough cores for two ranks")

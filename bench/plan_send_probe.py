@@ -15,6 +15,7 @@ machine), in microseconds.
 
     python bench/plan_send_probe.py [--rounds 4] [--steps 200] [--gc on|off]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,6 @@ import gc
 import json
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,17 +30,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from plan_broadcast import DecodingBatch, _planner  # noqa: E402
-from ranks.group import HEADER_BYTES, PlanChannel  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.bench.plan_broadcast import DecodingBatch, _planner  # noqa: E402
+from tapserve.ranks.group import HEADER_BYTES, PlanChannel  # noqa: E402
 
 KINDS = ("paced", "plan", "plan_nodecode", "plan_copy")
 
 
-def _rank0_step(kind: str, decoding: DecodingBatch, planner, channel: PlanChannel,
-                copy: torch.Tensor) -> tuple[float, float]:
+def _rank0_step(
+    kind: str, decoding: DecodingBatch, planner, channel: PlanChannel, copy: torch.Tensor
+) -> tuple[float, float]:
     """One step on rank 0; returns (send start, send end)."""
     if kind == "paced":
         decoding.advance(decoding.scheduler.schedule())
@@ -53,7 +56,7 @@ def _rank0_step(kind: str, decoding: DecodingBatch, planner, channel: PlanChanne
         wire = plan.wire
         wire.seal(plan)
         body = slice(wire.start + HEADER_BYTES, wire.start + HEADER_BYTES + wire.nbytes)
-        copy.numpy()[HEADER_BYTES:HEADER_BYTES + wire.nbytes] = wire.buffer[body]
+        copy.numpy()[HEADER_BYTES : HEADER_BYTES + wire.nbytes] = wire.buffer[body]
         start = time.perf_counter()
         dist.broadcast(copy, src=0, group=channel.group)
     else:
@@ -99,8 +102,11 @@ def worker(rank: int, port: int, args, results) -> None:
             copy = torch.zeros(int(size[0]), dtype=torch.uint8)
             dist.barrier()
             for step in range(args.steps + 1):
-                t = _rank0_step(kind, decoding, planner, channel, copy) if rank == 0 \
+                t = (
+                    _rank0_step(kind, decoding, planner, channel, copy)
+                    if rank == 0
                     else _rank1_step(kind, channel, copy)
+                )
                 if r and step:  # the first round and each round's first step are warm-up
                     times[kind].append(t)
             dist.barrier()
@@ -112,13 +118,18 @@ def _summary(sends: list[tuple[float, float]], posts: list[float]) -> dict:
     us = [(end - start) * 1e6 for start, end in sends]
     lead = [(start - posted) * 1e6 for (start, _), posted in zip(sends, posts)]
     q = statistics.quantiles(us, n=10)
-    return {"send_p50_us": round(statistics.median(us), 1), "send_p90_us": round(q[8], 1),
-            "send_mean_us": round(statistics.mean(us), 1),
-            "rank1_lead_p10_p50_p90_us": [round(v) for v in statistics.quantiles(lead, n=10)[::4]]}
+    return {
+        "send_p50_us": round(statistics.median(us), 1),
+        "send_p90_us": round(q[8], 1),
+        "send_mean_us": round(statistics.mean(us), 1),
+        "rank1_lead_p10_p50_p90_us": [round(v) for v in statistics.quantiles(lead, n=10)[::4]],
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=200)

@@ -4,6 +4,7 @@ than their physical floor are invalid measurements and are left out.
     python bench/plot_decode.py out.png sweep_1k.json:"context 1K" sweep_4k.json:"context 4K" \
         [--title "..."]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,23 +1,26 @@
 """Prefill of one long prompt: model FLOP utilisation against 790 TFLOP/s (bf16 GEMM, H200).
 
-    python bench/prefill.py --model-config bench/configs/qwen3-8b.json --tokens 4096
+python bench/prefill.py --model-config bench/configs/qwen3-8b.json --tokens 4096
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.offline import config_dir  # noqa: E402
-from coordinator.config import EngineConfig  # noqa: E402
-from coordinator.offline import LLM  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench.offline import config_dir  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.offline import LLM  # noqa: E402
 
 PEAK_FLOPS = 790e12
 
@@ -25,23 +28,37 @@ PEAK_FLOPS = 790e12
 def model_flops(llm: LLM, tokens: int) -> float:
     """2 x matmul params x tokens + causal attention (QK^T and PV over half the square)."""
     cfg = llm.runner.model_cfg
-    params = sum(p.numel() for n, p in llm.runner.model.named_parameters()
-                 if "norm" not in n and n != "embed_tokens.weight")
+    params = sum(
+        p.numel()
+        for n, p in llm.runner.model.named_parameters()
+        if "norm" not in n and n != "embed_tokens.weight"
+    )
     if cfg.tie_word_embeddings:
         params += cfg.vocab_size * cfg.hidden_size
-    attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * tokens / 2
+    attn = (
+        2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * tokens / 2
+    )
     return 2 * params * tokens + attn
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    llm = LLM(EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                           max_model_len=args.tokens + 16, max_num_batched_tokens=args.tokens,
-                           max_num_seqs=8, enable_prefix_caching=False))
+    llm = LLM(
+        EngineConfig(
+            model=config_dir(args.model_config),
+            load_format="dummy",
+            max_model_len=args.tokens + 16,
+            max_num_batched_tokens=args.tokens,
+            max_num_seqs=8,
+            enable_prefix_caching=False,
+        )
+    )
     params = SamplingParams(max_new_tokens=1, temperature=0)
     times = []
     for r in range(args.repeats + 1):
@@ -53,8 +70,16 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     best = min(times[1:])
     flops = model_flops(llm, args.tokens)
-    print(json.dumps({"tokens": args.tokens, "seconds": round(best, 4),
-                      "tflops": round(flops / best / 1e12, 1), "mfu": round(flops / best / PEAK_FLOPS, 3)}))
+    print(
+        json.dumps(
+            {
+                "tokens": args.tokens,
+                "seconds": round(best, 4),
+                "tflops": round(flops / best / 1e12, 1),
+                "mfu": round(flops / best / PEAK_FLOPS, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

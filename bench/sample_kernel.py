@@ -12,19 +12,22 @@ cost). --splits and --block pick the kernel's chunks per row ("auto": its own ch
 loop block; "same" says whether the tokens equal those of one chunk a row (the unsplit
 kernel's), as they must.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from model.kernels.sample import gumbel_sample  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.model.kernels.sample import gumbel_sample  # noqa: E402
 
 
 def gpu_us(fn, iters: int) -> float:
@@ -68,12 +71,17 @@ def graph_us(fn, iters: int, per_graph: int = 20) -> float:
 
 
 def timings(fn, iters: int) -> dict[str, float]:
-    return {"us": round(gpu_us(fn, iters), 1), "us_queued": round(queued_us(fn, iters), 1),
-            "us_graph": round(graph_us(fn, iters), 1)}
+    return {
+        "us": round(gpu_us(fn, iters), 1),
+        "us_queued": round(queued_us(fn, iters), 1),
+        "us_graph": round(graph_us(fn, iters), 1),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--rows", default="1,64,256")
     p.add_argument("--splits", default="auto", help="comma list of chunks a row (at most) or auto")
@@ -92,8 +100,18 @@ def main() -> None:
             for n in splits:
                 fn = lambda: gumbel_sample(logits, temps, 1, _splits=n, _block=block)  # noqa: E731
                 same = bool(torch.equal(fn(), unsplit))
-                print(json.dumps({**case, "op": "gumbel_sample", "splits": n or "auto",
-                                  "block": block, "same": same, **timings(fn, args.iters)}))
+                print(
+                    json.dumps(
+                        {
+                            **case,
+                            "op": "gumbel_sample",
+                            "splits": n or "auto",
+                            "block": block,
+                            "same": same,
+                            **timings(fn, args.iters),
+                        }
+                    )
+                )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ reports TTFT, TPOT, ITL (p50 / p99) and output tokens/s (vLLM's definitions: TPO
 --tokenizer TOK` with a synthetic word-level tokenizer of the config's vocabulary size (the
 API process only needs a tokenizer whose ids cover the vocabulary).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 
 @dataclass
@@ -56,8 +60,14 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
     def length(mean: int) -> int:
         lo, hi = int(mean * (1 - args.range_ratio)), int(mean * (1 + args.range_ratio))
         return max(1, rng.randint(lo, hi))
-    return [([rng.randint(0, args.max_token_id) for _ in range(length(args.input_len))],
-             length(args.output_len)) for _ in range(args.num_requests)]
+
+    return [
+        (
+            [rng.randint(0, args.max_token_id) for _ in range(length(args.input_len))],
+            length(args.output_len),
+        )
+        for _ in range(args.num_requests)
+    ]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,14 +82,25 @@ def summarize(results: list[Result], wall: float) -> dict:
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
     ms = 1000.0
-    out = {"requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
-           "output_tokens": sum(r.output_tokens for r in ok),
-           "output_tok_per_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
-           "requests_per_s": len(ok) / wall if wall else 0.0}
-    for name, values in (("ttft_ms", [r.ttft for r in ok]), ("tpot_ms", tpot), ("itl_ms", itl),
-                         ("latency_ms", [r.latency for r in ok])):
-        out[name] = {"mean": statistics.fmean(values) * ms if values else float("nan"),
-                     "p50": percentile(values, 50) * ms, "p99": percentile(values, 99) * ms}
+    out = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "wall_s": wall,
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "output_tok_per_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
+        "requests_per_s": len(ok) / wall if wall else 0.0,
+    }
+    for name, values in (
+        ("ttft_ms", [r.ttft for r in ok]),
+        ("tpot_ms", tpot),
+        ("itl_ms", itl),
+        ("latency_ms", [r.latency for r in ok]),
+    ):
+        out[name] = {
+            "mean": statistics.fmean(values) * ms if values else float("nan"),
+            "p50": percentile(values, 50) * ms,
+            "p99": percentile(values, 99) * ms,
+        }
     errors = sorted({r.error for r in results if r.error})
     if errors:
         out["errors"] = errors[:5]
@@ -88,8 +109,10 @@ def summarize(results: list[Result], wall: float) -> dict:
 
 def print_summary(title: str, s: dict) -> None:
     print(f"\n== {title} ==")
-    print(f"requests {s['requests']} (failed {s['failed']}), wall {s['wall_s']:.2f} s, "
-          f"{s['output_tok_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s")
+    print(
+        f"requests {s['requests']} (failed {s['failed']}), wall {s['wall_s']:.2f} s, "
+        f"{s['output_tok_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
         v = s[name]
         print(f"  {name:<11} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p99 {v['p99']:9.2f}")
@@ -98,11 +121,19 @@ def print_summary(title: str, s: dict) -> None:
 
 
 # ---- HTTP client ---------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
-                      max_tokens: int, extra: dict) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.6, "stream": True, "stream_options": {"include_usage": True},
-            **extra}
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, extra: dict
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     res, start = Result(), time.perf_counter()
     last = None
     try:
@@ -135,13 +166,16 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int],
 
 async def run_http(args: argparse.Namespace, url: str, items: list[tuple[list[int], int]]):
     from tqdm import tqdm
+
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 1) + 64)
     extra = json.loads(args.extra_body) if args.extra_body else {}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
         if args.warmup:
-            await asyncio.gather(*(one_request(c, model, p, 8, extra) for p, _ in items[:args.warmup]))
+            await asyncio.gather(
+                *(one_request(c, model, p, 8, extra) for p, _ in items[: args.warmup])
+            )
         gate = asyncio.Semaphore(args.concurrency or len(items))
         bar = tqdm(total=len(items), desc="requests", disable=args.no_progress)
         rng = random.Random(args.seed + 1)
@@ -164,16 +198,18 @@ async def run_http(args: argparse.Namespace, url: str, items: list[tuple[list[in
 
 
 # ---- the engine in-process (the relay-cost baseline) ---------------------------------------
-def run_engine(launch_argv: list[str], args: argparse.Namespace,
-               items: list[tuple[list[int], int]]) -> tuple[list[Result], float]:
+def run_engine(
+    launch_argv: list[str], args: argparse.Namespace, items: list[tuple[list[int], int]]
+) -> tuple[list[Result], float]:
     """The same workload at the same concurrency on coordinator.engine.Engine directly;
     per-request timestamps of each step's outputs play the role of streamed chunks."""
-    import launch
-    from coordinator.config import build_engine, build_runner
-    from coordinator.sampling_params import SamplingParams
+    from tapserve import launch
+    from tapserve.api.sampling_params import SamplingParams
+    from tapserve.coordinator.config import build_engine, build_runner
+
     config = launch.engine_config(launch.parse_args(launch_argv))
     engine = build_engine(config, build_runner(config))
-    warm = [(p, 8) for p, _ in items[:args.warmup]]
+    warm = [(p, 8) for p, _ in items[: args.warmup]]
     for batch, measure in ((warm, False), (items, True)):
         results: dict[str, Result] = {}
         added: dict[str, float] = {}
@@ -186,8 +222,9 @@ def run_engine(launch_argv: list[str], args: argparse.Namespace,
             while pending and len(in_flight) < limit:
                 i, (prompt, n) = pending.pop(0)
                 rid = f"bench-{measure}-{i}"
-                engine.add_request(rid, prompt, SamplingParams(max_new_tokens=n, temperature=0.6,
-                                                               ignore_eos=True))
+                engine.add_request(
+                    rid, prompt, SamplingParams(max_new_tokens=n, temperature=0.6, ignore_eos=True)
+                )
                 added[rid] = time.perf_counter()
                 in_flight.add(rid)
             for out in engine.step():
@@ -212,6 +249,7 @@ def run_engine(launch_argv: list[str], args: argparse.Namespace,
 def synthetic_tokenizer(vocab_size: int, folder: Path) -> None:
     """A word-level tokenizer with ids 0..vocab_size-1 ("t0", "t1", ...), nothing special."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     tok = Tokenizer(models.WordLevel({f"t{i} ": i for i in range(vocab_size)}, unk_token="t0 "))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.Fuse()
@@ -230,8 +268,14 @@ def expand_launch(launch: str, workdir: Path) -> list[str]:
         tok_dir.mkdir()
         shutil.copy(config_file, model_dir / "config.json")
         synthetic_tokenizer(json.loads(config_file.read_text())["vocab_size"], tok_dir)
-        argv[i:i + 2] = ["--model", str(model_dir), "--load-format", "dummy",
-                         "--tokenizer", str(tok_dir)]
+        argv[i : i + 2] = [
+            "--model",
+            str(model_dir),
+            "--load-format",
+            "dummy",
+            "--tokenizer",
+            str(tok_dir),
+        ]
     return argv
 
 
@@ -252,18 +296,26 @@ def start_server(argv: list[str], port: int, timeout: float = 900) -> subprocess
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
     p.add_argument("--launch", help="launch.py arguments: start the server here (own port)")
     p.add_argument("--port", type=int, default=8123, help="port for --launch")
-    p.add_argument("--compare-engine", action="store_true",
-                   help="with --launch: also run the engine in-process; print the relay cost")
+    p.add_argument(
+        "--compare-engine",
+        action="store_true",
+        help="with --launch: also run the engine in-process; print the relay cost",
+    )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64, help="0: unlimited")
-    p.add_argument("--request-rate", type=float, default=0.0,
-                   help="Poisson arrivals per second (0: all at once, gated by --concurrency)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals per second (0: all at once, gated by --concurrency)",
+    )
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--range-ratio", type=float, default=0.0)

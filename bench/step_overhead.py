@@ -15,6 +15,7 @@ and the best round is the code's cost with the least interference. `--phases` al
 mean µs per step of each phase of Engine.step over the rounds after the first (a timer around
 each, ~1 µs added per phase; "sample" and "append" are parts of "postprocess").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,21 +23,23 @@ import cProfile
 import json
 import pstats
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from coordinator.engine import Engine, EngineOptions  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
-from coordinator.scheduler import SchedulerConfig  # noqa: E402
-from model.layers import TPGroup  # noqa: E402
-from ranks.plan import StepPlan  # noqa: E402
-from ranks.runner import StepOutput  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.coordinator.engine import Engine, EngineOptions  # noqa: E402
+from tapserve.coordinator.scheduler import SchedulerConfig  # noqa: E402
+from tapserve.model.layers import TPGroup  # noqa: E402
+from tapserve.ranks.plan import StepPlan  # noqa: E402
+from tapserve.ranks.runner import StepOutput  # noqa: E402
 
 
 @dataclass
@@ -58,11 +61,13 @@ class StandInRunner:
         return -1
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        return StepOutput(self.hidden[:1], self.logits[:plan.logit_rows.shape[0]])
+        return StepOutput(self.hidden[:1], self.logits[: plan.logit_rows.shape[0]])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seqs", type=int, default=256)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=151936)
@@ -77,11 +82,17 @@ def main() -> None:
     total = args.steps * args.rounds
     blocks_per_seq = -(-(args.context + total + 8) // 16)
     runner = StandInRunner(args.seqs * blocks_per_seq + 1, args.vocab, args.seqs, args.device)
-    engine = Engine(runner, EngineOptions(max_model_len=args.context + total + 64,
-                                          eos_token_ids=[], vocab_size=args.vocab,
-                                          scheduler=SchedulerConfig(args.seqs, 1 << 30),
-                                          # the host's whole turn, step by step (no overlap)
-                                          async_scheduling=False))
+    engine = Engine(
+        runner,
+        EngineOptions(
+            max_model_len=args.context + total + 64,
+            eos_token_ids=[],
+            vocab_size=args.vocab,
+            scheduler=SchedulerConfig(args.seqs, 1 << 30),
+            # the host's whole turn, step by step (no overlap)
+            async_scheduling=False,
+        ),
+    )
     params = SamplingParams(max_new_tokens=total + 8, temperature=args.temperature, ignore_eos=True)
     for i in range(args.seqs):
         engine.add_request(str(i), [(i + j) % 1000 for j in range(args.context)], params)
@@ -105,22 +116,34 @@ def main() -> None:
     if prof:
         prof.disable()
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
-    figures = {"seqs": args.seqs, "context": args.context, "vocab": args.vocab,
-               "temperature": args.temperature, "device": args.device,
-               "coordinator_ms_per_decode_step": round(min(rounds) * 1e3, 3),
-               "median_round_ms": round(statistics.median(rounds) * 1e3, 3)}
+    figures = {
+        "seqs": args.seqs,
+        "context": args.context,
+        "vocab": args.vocab,
+        "temperature": args.temperature,
+        "device": args.device,
+        "coordinator_ms_per_decode_step": round(min(rounds) * 1e3, 3),
+        "median_round_ms": round(statistics.median(rounds) * 1e3, 3),
+    }
     if phases:
-        figures["phases_us_per_step"] = {k: round(v * 1e6 / timed_steps, 1) for k, v in phases.items()}
+        figures["phases_us_per_step"] = {
+            k: round(v * 1e6 / timed_steps, 1) for k, v in phases.items()
+        }
     print(json.dumps(figures))
 
 
 def time_phases(engine: Engine) -> dict[str, float]:
     """Wrap the engine's step phases in timers; returns the dict they add seconds to."""
     spent: dict[str, float] = {}
-    targets = {"schedule": (engine.scheduler, "schedule"), "build": (engine.planner, "build"),
-               "execute": (engine.runner, "execute"), "postprocess": (engine, "_postprocess"),
-               "sample": (engine, "_sample"), "append": (engine, "_append_plain"),
-               "outputs": (engine, "_collect_outputs")}
+    targets = {
+        "schedule": (engine.scheduler, "schedule"),
+        "build": (engine.planner, "build"),
+        "execute": (engine.runner, "execute"),
+        "postprocess": (engine, "_postprocess"),
+        "sample": (engine, "_sample"),
+        "append": (engine, "_append_plain"),
+        "outputs": (engine, "_collect_outputs"),
+    }
     for name, (owner, attr) in targets.items():
         setattr(owner, attr, _timed(getattr(owner, attr), name, spent))
     return spent
@@ -133,6 +156,7 @@ def _timed(fn, name: str, spent: dict[str, float]):
             return fn(*args, **kwargs)
         finally:
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
     return timed
 
 

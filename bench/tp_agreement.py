@@ -11,21 +11,25 @@ confident (random weights give many near-ties, where bf16 rounding alone flips t
 `make` writes the checkpoint with transformers' own `from_config` + `save_pretrained`, so every
 degree loads the same weights through the real loader.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 
 def make(args) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text()))
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -39,10 +43,12 @@ def sequences(num: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def score(args) -> None:
-    from coordinator.config import EngineConfig, rank0_engine, stop_group
-    from coordinator.sampling_params import SamplingParams
-    started = rank0_engine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                        max_model_len=1024))
+    from tapserve.api.sampling_params import SamplingParams
+    from tapserve.coordinator.config import EngineConfig, rank0_engine, stop_group
+
+    started = rank0_engine(
+        EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=1024)
+    )
     if started is None:
         return  # a worker rank, done
     ctx, engine, channel = started
@@ -66,15 +72,25 @@ def compare(args) -> None:
     keys = sorted(a["top1"])
     same = [a["top1"][k][0] == b["top1"][k][0] for k in keys]
     confident = [s for k, s in zip(keys, same) if a["top1"][k][1] > args.margin]
-    print(json.dumps({
-        "reference_tp": a["tp"], "other_tp": b["tp"], "positions": len(keys),
-        "agreement": round(sum(same) / len(same), 4),
-        "confident_positions": len(confident), "margin": args.margin,
-        "confident_agreement": round(sum(confident) / max(len(confident), 1), 4)}))
+    print(
+        json.dumps(
+            {
+                "reference_tp": a["tp"],
+                "other_tp": b["tp"],
+                "positions": len(keys),
+                "agreement": round(sum(same) / len(same), 4),
+                "confident_positions": len(confident),
+                "margin": args.margin,
+                "confident_agreement": round(sum(confident) / max(len(confident), 1), 4),
+            }
+        )
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make")
     m.add_argument("--model-config", required=True)

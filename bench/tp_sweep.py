@@ -5,6 +5,7 @@ tokens/s, per-GPU bandwidth efficiency, throughput, TTFT and KV memory per rank.
     python bench/tp_sweep.py --model-config bench/configs/qwen3-32b.json --out docs/tp_sweep
     python bench/tp_sweep.py --model-config CFG --device cpu --tp 1,2 --num-seqs 4 --max-len 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,23 +19,44 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BYTES_PER_S = 4.3e12
-KEEP_NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+KEEP_NVLS_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def available_degrees(device: str | None) -> list[int]:
     import torch
+
     gpus = torch.cuda.device_count() if device != "cpu" else 8
     return [n for n in (1, 2, 4, 8) if n <= max(gpus, 1)]
 
 
 def run_degree(tp: int, args, out_dir: Path) -> dict:
     out = out_dir / f"tp{tp}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           str(ROOT / "bench" / "tp_worker.py"), "--model-config", args.model_config,
-           "--json", str(out), "--num-seqs", str(args.num_seqs), "--max-len", str(args.max_len),
-           "--context", str(args.context), "--max-model-len", str(args.max_model_len),
-           "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={tp}",
+        str(ROOT / "bench" / "tp_worker.py"),
+        "--model-config",
+        args.model_config,
+        "--json",
+        str(out),
+        "--num-seqs",
+        str(args.num_seqs),
+        "--max-len",
+        str(args.max_len),
+        "--context",
+        str(args.context),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--steps",
+        str(args.steps),
+    ]
     if args.device:
         cmd += ["--device", args.device]
     env = {**os.environ, **KEEP_NVLS_OFF, "PYTHONPATH": str(ROOT)}
@@ -45,31 +67,42 @@ def run_degree(tp: int, args, out_dir: Path) -> dict:
 def derive(row: dict) -> dict:
     step_s = row["batch1_decode_ms"] / 1e3
     per_gpu_floor = row["batch1_read_bytes_per_rank"] / PEAK_BYTES_PER_S
-    return {**row, "batch1_tokens_per_s": round(1 / step_s, 1),
-            "per_gpu_bandwidth_efficiency": round(per_gpu_floor / step_s, 3)}
+    return {
+        **row,
+        "batch1_tokens_per_s": round(1 / step_s, 1),
+        "per_gpu_bandwidth_efficiency": round(per_gpu_floor / step_s, 3),
+    }
 
 
 def table(rows: list[dict]) -> str:
     """The markdown table; "GPU ms" is the batch-1 step's GPU time alone (tp_worker's
     batch1_gpu_ms): the step ms above it are host time the engine did not hide."""
-    head = ("| TP | batch-1 tok/s | step ms | GPU ms | per-GPU BW eff. | throughput tok/s "
-            "| TTFT ms | KV GiB/rank |\n|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| TP | batch-1 tok/s | step ms | GPU ms | per-GPU BW eff. | throughput tok/s "
+        "| TTFT ms | KV GiB/rank |\n|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "".join(
         f"| {r['tp']} | {r['batch1_tokens_per_s']} | {r['batch1_decode_ms']} | "
         f"{r['batch1_gpu_ms']} | {r['per_gpu_bandwidth_efficiency']} | "
         f"{r['throughput_tokens_per_s']} | {r['ttft_ms']} | {r['kv_gib_per_rank']} |\n"
-        for r in rows)
+        for r in rows
+    )
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     tps = [r["tp"] for r in rows]
-    panels = [("batch1_tokens_per_s", "batch-1 decode tok/s"),
-              ("per_gpu_bandwidth_efficiency", "per-GPU bandwidth efficiency"),
-              ("throughput_tokens_per_s", "throughput tok/s"), ("ttft_ms", "TTFT (ms)"),
-              ("kv_gib_per_rank", "KV GiB per rank")]
+    panels = [
+        ("batch1_tokens_per_s", "batch-1 decode tok/s"),
+        ("per_gpu_bandwidth_efficiency", "per-GPU bandwidth efficiency"),
+        ("throughput_tokens_per_s", "throughput tok/s"),
+        ("ttft_ms", "TTFT (ms)"),
+        ("kv_gib_per_rank", "KV GiB per rank"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5))
     for ax, (key, label) in zip(axes, panels):
         ax.plot(tps, [r[key] for r in rows], marker="o")
@@ -83,7 +116,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-config", required=True)
     p.add_argument("--tp", help="comma-separated degrees (default: 1,2,4,8 up to the GPU count)")
     p.add_argument("--device")
@@ -93,7 +128,9 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", default="tp_sweep", help="output prefix: PREFIX.md, PREFIX.png, PREFIX.json")
+    p.add_argument(
+        "--out", default="tp_sweep", help="output prefix: PREFIX.md, PREFIX.png, PREFIX.json"
+    )
     args = p.parse_args()
     degrees = [int(x) for x in args.tp.split(",")] if args.tp else available_degrees(args.device)
     out = Path(args.out)

@@ -9,25 +9,28 @@ per-op overhead stretches the host side).
 
     torchrun --standalone --nproc-per-node=2 bench/tp_trace.py --model-config CFG
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.offline import config_dir  # noqa: E402
-from bench.tp_worker import batch1_plan  # noqa: E402
-from coordinator.config import EngineConfig, start_rank, stop_group  # noqa: E402
-from ranks.group import shutdown_distributed  # noqa: E402
-from ranks.plan import StepKind  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.bench.offline import config_dir  # noqa: E402
+from tapserve.bench.tp_worker import batch1_plan  # noqa: E402
+from tapserve.coordinator.config import EngineConfig, start_rank, stop_group  # noqa: E402
+from tapserve.ranks.group import shutdown_distributed  # noqa: E402
+from tapserve.ranks.plan import StepKind  # noqa: E402
 
 ns = time.perf_counter_ns
 
@@ -45,6 +48,7 @@ def timing_replays(runner, marks: dict) -> None:
         out = replay(plan, input_ids)
         marks["replay_end"].append(ns())
         return out
+
     runner.graphs.replay = timed
 
 
@@ -78,9 +82,10 @@ def report(marks: list[dict], skip: int) -> dict:
     out = {}
     for rank, m in enumerate(marks):
         for name, ts in m.items():
-            ts = ts[-len(zero):] if rank else ts[skip:]
-            out[f"rank{rank}.{name}"] = round(statistics.median(
-                (t - z) / 1e3 for t, z in zip(ts, zero)), 1)
+            ts = ts[-len(zero) :] if rank else ts[skip:]
+            out[f"rank{rank}.{name}"] = round(
+                statistics.median((t - z) / 1e3 for t, z in zip(ts, zero)), 1
+            )
     steps = [(b - a) / 1e3 for a, b in zip(zero, zero[1:])]
     out["step"] = round(statistics.median(steps), 1)
     return out
@@ -95,17 +100,27 @@ def main() -> None:
     p.add_argument("--profile", help="also write torch.profiler traces here")
     args = p.parse_args()
     limit = json.loads(Path(args.model_config).read_text()).get("max_position_embeddings", 4096)
-    config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                          max_model_len=min(4096, limit), enable_prefix_caching=False,
-                          max_num_seqs=16)
+    config = EngineConfig(
+        model=config_dir(args.model_config),
+        load_format="dummy",
+        max_model_len=min(4096, limit),
+        enable_prefix_caching=False,
+        max_num_seqs=16,
+    )
     ctx, runner, channel = start_rank(config)
-    marks = {k: [] for k in (("send_start", "send_end", "replay_start", "replay_end",
-                              "execute_end", "ids_home") if ctx.is_driver else
-                             ("recv_end", "replay_start", "replay_end", "execute_end"))}
+    marks = {
+        k: []
+        for k in (
+            ("send_start", "send_end", "replay_start", "replay_end", "execute_end", "ids_home")
+            if ctx.is_driver
+            else ("recv_end", "replay_start", "replay_end", "execute_end")
+        )
+    }
     timing_replays(runner, marks)
     profiling = contextlib.nullcontext()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
+
         profiling = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     with profiling as prof:
         if ctx.is_driver:

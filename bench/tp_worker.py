@@ -1,24 +1,27 @@
 """One TP degree of bench/tp_sweep.py, run under torchrun: every rank builds its shard; rank 0
 drives the engine and writes the figures (batch-1 decode, TTFT, nano-vllm-style throughput,
 KV memory per rank) to --json."""
+
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
 
-from bench.decode_sweep import weight_bytes  # noqa: E402
-from bench.offline import config_dir, print_step_profile, workload  # noqa: E402
-from coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
-from coordinator.sampling_params import SamplingParams  # noqa: E402
-from ranks.plan import StepKind, StepPlan  # noqa: E402
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
+
+from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench.decode_sweep import weight_bytes  # noqa: E402
+from tapserve.bench.offline import config_dir, print_step_profile, workload  # noqa: E402
+from tapserve.coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
+from tapserve.ranks.plan import StepKind, StepPlan  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -31,12 +34,16 @@ def drain(engine) -> None:
         engine.step()
 
 
-def batch1_decode(engine, device, context: int, steps: int,
-                  profile_steps: int = 0) -> tuple[float, float]:
+def batch1_decode(
+    engine, device, context: int, steps: int, profile_steps: int = 0
+) -> tuple[float, float]:
     """(ms a batch-1 decode step takes through the engine, the sequence's mean context over
     the timed steps, counted as bench/decode_sweep.py counts it)."""
-    engine.add_request("b1", [i % 1000 + 1 for i in range(context)],
-                       SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "b1",
+        [i % 1000 + 1 for i in range(context)],
+        SamplingParams(max_new_tokens=steps + 8, temperature=0, ignore_eos=True),
+    )
     for _ in range(4):
         engine.step()
     (sequence,) = engine.scheduler.running
@@ -57,11 +64,16 @@ def batch1_plan(runner, context: int) -> StepPlan:
     """A batch-1 decode plan at `context` over blocks 0.. (the bench's KV is scratch)."""
     blocks = -(-context // runner.cfg.block_size)
     last = np.array([context - 1], np.int64)
-    plan = StepPlan(kind=StepKind.DECODE, input_ids=np.array([1], np.int64), positions=last,
-                    slot_mapping=last, query_start_loc=np.array([0, 1], np.int32),
-                    context_lens=np.array([context], np.int32),
-                    block_tables=np.arange(blocks, dtype=np.int32)[None],
-                    logit_rows=np.array([0], np.int64))
+    plan = StepPlan(
+        kind=StepKind.DECODE,
+        input_ids=np.array([1], np.int64),
+        positions=last,
+        slot_mapping=last,
+        query_start_loc=np.array([0, 1], np.int32),
+        context_lens=np.array([context], np.int32),
+        block_tables=np.arange(blocks, dtype=np.int32)[None],
+        logit_rows=np.array([0], np.int64),
+    )
     plan.graph_bucket = runner.graph_bucket_for(plan)
     return plan
 
@@ -86,8 +98,11 @@ def plan_replay_ms(engine, device, context: int, steps: int, wait: bool) -> floa
 def ttft_ms(engine, device, prompt_len: int) -> float:
     sync(device)
     start = time.perf_counter()
-    engine.add_request("ttft", [i % 997 + 2 for i in range(prompt_len)],
-                       SamplingParams(max_new_tokens=1, temperature=0))
+    engine.add_request(
+        "ttft",
+        [i % 997 + 2 for i in range(prompt_len)],
+        SamplingParams(max_new_tokens=1, temperature=0),
+    )
     engine.step()
     sync(device)
     elapsed = time.perf_counter() - start
@@ -117,12 +132,20 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--json", required=True)
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="print torch.profiler's kernel time of this many batch-1 steps (rank 0)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="print torch.profiler's kernel time of this many batch-1 steps (rank 0)",
+    )
     args = p.parse_args()
-    config = EngineConfig(model=config_dir(args.model_config), load_format="dummy",
-                          device=args.device, max_model_len=args.max_model_len,
-                          enable_prefix_caching=False)
+    config = EngineConfig(
+        model=config_dir(args.model_config),
+        load_format="dummy",
+        device=args.device,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+    )
     started = rank0_engine(config)
     if started is None:
         return  # a worker rank, done
@@ -130,25 +153,33 @@ def main() -> None:
     runner = engine.runner
     device = runner.device
     ttft_ms(engine, device, 16)  # warm-up
-    step_ms, mean_context = batch1_decode(engine, device, args.context, args.steps,
-                                          args.profile_steps)
+    step_ms, mean_context = batch1_decode(
+        engine, device, args.context, args.steps, args.profile_steps
+    )
     kv_bytes_per_token = runner.block_bytes() // runner.cfg.block_size
     figures = {
         "tp": ctx.world_size,
         "all_reduce": "nccl" if runner.tp.one_shot is None else runner.tp.one_shot.mode,
         "batch1_decode_ms": round(step_ms, 3),
         # the batch-1 step without the coordinator's host work (plan_replay_ms)
-        "batch1_plan_and_wait_ms": round(plan_replay_ms(engine, device, args.context, args.steps, True), 3),
+        "batch1_plan_and_wait_ms": round(
+            plan_replay_ms(engine, device, args.context, args.steps, True), 3
+        ),
         "batch1_gpu_ms": round(plan_replay_ms(engine, device, args.context, args.steps, False), 3),
         "ttft_prompt_tokens": min(1024, args.max_model_len // 2),
         "ttft_ms": round(ttft_ms(engine, device, min(1024, args.max_model_len // 2)), 2),
-        "throughput_tokens_per_s": round(throughput(engine, device, args.num_seqs, args.max_len), 1),
+        "throughput_tokens_per_s": round(
+            throughput(engine, device, args.num_seqs, args.max_len), 1
+        ),
         "kv_gib_per_rank": round(runner.num_blocks * runner.block_bytes() / 2**30, 2),
-        "weight_bytes_per_rank": sum(t.numel() * t.element_size() for t in runner.model.parameters()),
+        "weight_bytes_per_rank": sum(
+            t.numel() * t.element_size() for t in runner.model.parameters()
+        ),
         # what one batch-1 step reads on a rank: weights (not the embedding table, of which
         # a step reads one row) and the KV cache at the timed steps' mean context
         "batch1_mean_context": mean_context,
-        "batch1_read_bytes_per_rank": weight_bytes(runner) + round(mean_context * kv_bytes_per_token),
+        "batch1_read_bytes_per_rank": weight_bytes(runner)
+        + round(mean_context * kv_bytes_per_token),
     }
     Path(args.json).write_text(json.dumps(figures))
     stop_group(channel)

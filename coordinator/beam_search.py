@@ -4,6 +4,7 @@ id (if among the top B; neither before min_tokens) or by reaching the length lim
 sum of logprobs / generated_len ** length_penalty, and transformers' early-stopping heuristic
 (early_stopping=False). Its repetition penalty applies to the step's log-probabilities, as
 transformers' processor does in beam search; sampling fields do not apply (do_sample=False)."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from api.wire import SequenceOutput
-from coordinator.sequence import Request, Sequence
+from tapserve.api.wire import SequenceOutput
+from tapserve.coordinator.sequence import Request, Sequence
 
 
 @dataclass
@@ -53,8 +54,14 @@ def _penalize_repeats(logprobs: torch.Tensor, beams: list[Sequence], penalty: fl
 
 
 class BeamSearch:
-    def step(self, request: Request, beams: list[Sequence], logits: torch.Tensor,
-             eos_token_ids: list[int], max_model_len: int) -> tuple[list[tuple[int, int, float]], bool]:
+    def step(
+        self,
+        request: Request,
+        beams: list[Sequence],
+        logits: torch.Tensor,
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> tuple[list[tuple[int, int, float]], bool]:
         """One step for all live beams of a request. Returns the running continuations
         (parent position, token, accumulated logprob), best first, and whether search is done."""
         p = request.params
@@ -81,8 +88,14 @@ class BeamSearch:
                 if rank < num_beams and state.improvable:
                     tokens = beams[parent].output_token_ids + [token]
                     reason = "stop" if hits_eos else "length"
-                    state.finished.append(Hypothesis(length_normalized(score, gen_len, p.length_penalty),
-                                                     tokens, reason, parent))
+                    state.finished.append(
+                        Hypothesis(
+                            length_normalized(score, gen_len, p.length_penalty),
+                            tokens,
+                            reason,
+                            parent,
+                        )
+                    )
             elif len(running) < num_beams:
                 running.append((parent, token, score))
         state.finished = sorted(state.finished, key=lambda h: -h.score)[:num_beams]
@@ -94,7 +107,14 @@ class BeamSearch:
 
     @staticmethod
     def final_outputs(request: Request) -> list[SequenceOutput]:
-        best = request.beam_state.finished[:request.params.n] if request.beam_state else []
-        return [SequenceOutput(index=i, new_token_ids=h.token_ids, finish_reason=h.finish_reason,
-                               cumulative_logprob=h.score, custom_output=h.custom_output)
-                for i, h in enumerate(best)]
+        best = request.beam_state.finished[: request.params.n] if request.beam_state else []
+        return [
+            SequenceOutput(
+                index=i,
+                new_token_ids=h.token_ids,
+                finish_reason=h.finish_reason,
+                cumulative_logprob=h.score,
+                custom_output=h.custom_output,
+            )
+            for i, h in enumerate(best)
+        ]

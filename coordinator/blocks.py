@@ -5,14 +5,15 @@ equal hashes mean equal prefixes (the stored tokens are compared too, against co
 Blocks are registered in the cache once their KV is computed. Freed blocks keep their hash
 and stay reusable until the allocator needs them; the least recently freed goes first (LRU).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Iterator
 
-from coordinator.sequence import Sequence
+from tapserve.coordinator.sequence import Sequence
 
 
 @dataclass
@@ -39,7 +40,7 @@ class BlockManager:
     block_size: int
     enable_prefix_caching: bool = True
     blocks: list[Block] = field(init=False)
-    free: "OrderedDict[int, None]" = field(init=False)  # block ids with ref_count 0, LRU first
+    free: OrderedDict[int, None] = field(init=False)  # block ids with ref_count 0, LRU first
     cached: dict[int, int] = field(init=False)  # hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # stamps for Sequence.block_table_version, unique across sequences: equal stamps mean the
@@ -145,10 +146,13 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= seq.num_hashed_blocks:
             return  # nothing new (the usual decode step)
-        prev = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash \
-            if seq.num_hashed_blocks else None
+        prev = (
+            self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash
+            if seq.num_hashed_blocks
+            else None
+        )
         for i in range(seq.num_hashed_blocks, num_full):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and prev not in self.cached:
@@ -166,7 +170,7 @@ class BlockManager:
         limit = seq.num_tokens - 1 if reuse_cap is None else min(seq.num_tokens - 1, reuse_cap)
         hits, prev = [], None
         for i in range(max(limit, 0) // self.block_size):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             prev = chain_hash(prev, tokens)
             block_id = self.cached.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tokens:

@@ -1,28 +1,33 @@
 """EngineConfig: every start-up option of the engine, validated once, and the factory that
 builds a rank's model runner and rank 0's engine from it."""
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from api.detokenizer import Decoder
-from coordinator.custom_outputs import build_handler
-from coordinator.engine import Engine, EngineOptions
-from coordinator.keepalive import PlanKeepalive
-from coordinator.output_dispatch import check_workers as check_output_workers
-from coordinator.scheduler import SchedulerConfig
-from model.config import ModelConfig
-from model.layers import ParallelLayoutError, TPGroup
-from model.loader import resolve_dtype
-from ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
-from ranks.plan import StepKind, StepPlan
-from ranks.runner import (ModelRunner, RankAgreedError, RunnerConfig,
-                          check_block_size_and_load_format)
-from ranks.worker import ignore_termination_signals
+from tapserve.api.detokenizer import Decoder
+from tapserve.coordinator.custom_outputs import build_handler
+from tapserve.coordinator.engine import Engine, EngineOptions
+from tapserve.coordinator.keepalive import PlanKeepalive
+from tapserve.coordinator.output_dispatch import check_workers as check_output_workers
+from tapserve.coordinator.scheduler import SchedulerConfig
+from tapserve.model.config import ModelConfig
+from tapserve.model.layers import ParallelLayoutError, TPGroup
+from tapserve.model.loader import resolve_dtype
+from tapserve.ranks.group import DistContext, PlanChannel, init_distributed, shutdown_distributed
+from tapserve.ranks.plan import StepKind, StepPlan
+from tapserve.ranks.runner import (
+    ModelRunner,
+    RankAgreedError,
+    RunnerConfig,
+    check_block_size_and_load_format,
+)
+from tapserve.ranks.worker import ignore_termination_signals
 
 
 @dataclass
@@ -62,23 +67,35 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < float("inf"):
-            raise ValueError(f"kv_cache_memory must be a positive number of GiB, "
-                             f"got {self.kv_cache_memory}")
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of GiB, got {self.kv_cache_memory}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if self.device is not None and self.device != "cpu" \
-                and not re.fullmatch(r"cuda(:\d+)?", self.device):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if (
+            self.device is not None
+            and self.device != "cpu"
+            and not re.fullmatch(r"cuda(:\d+)?", self.device)
+        ):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.device is not None and self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device}: torch sees no CUDA device (a CPU build of "
-                             f"torch {torch.__version__}, or no GPU visible)")
-        if not -2 ** 63 <= self.seed < 2 ** 63:
+        if (
+            self.device is not None
+            and self.device.startswith("cuda")
+            and not torch.cuda.is_available()
+        ):
+            raise ValueError(
+                f"device {self.device}: torch sees no CUDA device (a CPU build of "
+                f"torch {torch.__version__}, or no GPU visible)"
+            )
+        if not -(2**63) <= self.seed < 2**63:
             raise ValueError(f"seed must fit in 64 bits (signed), got {self.seed}")
 
     def model_dir(self) -> Path:
         if self.model is None:
-            from model.demo import ensure_demo_checkpoint
+            from tapserve.model.demo import ensure_demo_checkpoint
+
             return ensure_demo_checkpoint()
         path = Path(self.model)
         if not path.is_dir():
@@ -90,7 +107,9 @@ class EngineConfig:
             return torch.device(f"cuda:{local_rank}")
         if self.device:
             return torch.device(self.device)
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        )
 
 
 PLAN_POLL_SECONDS = 0.005  # ranks > 0 on GPUs poll for each plan this long before blocking
@@ -104,39 +123,55 @@ def check_model(config: EngineConfig) -> tuple[Path, ModelConfig]:
     resolve_dtype(config.dtype, config.torch_device())
     limit = model_cfg.max_position_embeddings
     if config.max_model_len and config.max_model_len > limit:  # as vLLM, not capped
-        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings ({limit}); leave it out or lower it")
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} exceeds the model's "
+            f"max_position_embeddings ({limit}); leave it out or lower it"
+        )
     return model_dir, model_cfg
 
 
-def build_runner(config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None,
-                 min_across_ranks: Callable[[int], int] = lambda x: x) -> ModelRunner:
+def build_runner(
+    config: EngineConfig,
+    tp: TPGroup = TPGroup(),
+    device: torch.device | None = None,
+    min_across_ranks: Callable[[int], int] = lambda x: x,
+) -> ModelRunner:
     model_dir, model_cfg = check_model(config)
     device = device or config.torch_device()
     max_len = config.max_model_len or model_cfg.max_position_embeddings
     runner_cfg = RunnerConfig(
-        model_dir=model_dir, dtype=resolve_dtype(config.dtype, device), device=device,
-        load_format=config.load_format, block_size=config.block_size,
+        model_dir=model_dir,
+        dtype=resolve_dtype(config.dtype, device),
+        device=device,
+        load_format=config.load_format,
+        block_size=config.block_size,
         kv_cache_memory_gib=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization, num_kv_blocks=config.num_kv_blocks,
-        max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-        max_num_batched_tokens=config.max_num_batched_tokens, enforce_eager=config.enforce_eager,
-        seed=config.seed)
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+    )
     try:
         runner = ModelRunner(model_cfg, runner_cfg, tp, min_across_ranks)
     except RuntimeError as e:  # (torch.OutOfMemoryError is one)
         if not _out_of_memory(e):
             raise
-        raise ValueError(f"start-up ran out of memory on {device} ({_allocation(e)}): lower "
-                         f"--kv-cache-memory or --num-kv-blocks (--gpu-memory-utilization "
-                         f"on GPUs), --max-num-seqs or --max-num-batched-tokens") from None
+        raise ValueError(
+            f"start-up ran out of memory on {device} ({_allocation(e)}): lower "
+            f"--kv-cache-memory or --num-kv-blocks (--gpu-memory-utilization "
+            f"on GPUs), --max-num-seqs or --max-num-batched-tokens"
+        ) from None
     capacity = runner.num_blocks * runner_cfg.block_size
     if config.max_model_len and config.max_model_len > capacity:  # (unset: the engine caps it)
         raise RankAgreedError(
             f"--max-model-len {config.max_model_len} does not fit the KV cache, "
             f"{runner.num_blocks} blocks of {runner_cfg.block_size} tokens ({capacity}): give "
             f"the cache more room (--kv-cache-memory, --gpu-memory-utilization, "
-            f"--num-kv-blocks) or lower --max-model-len")
+            f"--num-kv-blocks) or lower --max-model-len"
+        )
     return runner
 
 
@@ -151,35 +186,56 @@ def _allocation(e: RuntimeError) -> str:
     asked = re.search(r"allocate (\d+) bytes|Tried to allocate ([\d.]+ [KMGT]iB)", str(e))
     if asked is None:
         return str(e).splitlines()[0][:200]
-    return f"{int(asked[1]) / 2 ** 30:.1f} GiB asked" if asked[1] else f"{asked[2]} asked"
+    return f"{int(asked[1]) / 2**30:.1f} GiB asked" if asked[1] else f"{asked[2]} asked"
 
 
-def build_engine(config: EngineConfig, runner: ModelRunner, channel: PlanChannel | None = None,
-                 text_decoder: Decoder | None = None) -> Engine:
+def build_engine(
+    config: EngineConfig,
+    runner: ModelRunner,
+    channel: PlanChannel | None = None,
+    text_decoder: Decoder | None = None,
+) -> Engine:
     """Rank 0 only: the coordinator's engine around this rank's runner (and the handler).
     text_decoder: the serving tokenizer (see Engine)."""
     model_cfg = runner.model_cfg
     handler = None
     if config.custom_module:
-        handler = build_handler(config.custom_module, runner.cfg.model_dir, runner.device,
-                                runner.cfg.dtype, model_cfg.hidden_size)
+        handler = build_handler(
+            config.custom_module,
+            runner.cfg.model_dir,
+            runner.device,
+            runner.cfg.dtype,
+            model_cfg.hidden_size,
+        )
     options = EngineOptions(
-        max_model_len=runner.cfg.max_model_len, eos_token_ids=model_cfg.eos_token_ids,
+        max_model_len=runner.cfg.max_model_len,
+        eos_token_ids=model_cfg.eos_token_ids,
         vocab_size=model_cfg.vocab_size,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
         enable_prefix_caching=config.enable_prefix_caching,
-        custom_output_reuse=config.custom_output_reuse, seed=config.seed,
-        output_workers=config.output_workers, async_scheduling=config.async_scheduling)
+        custom_output_reuse=config.custom_output_reuse,
+        seed=config.seed,
+        output_workers=config.output_workers,
+        async_scheduling=config.async_scheduling,
+    )
     keepalive = None
     if channel is not None and handler is not None:
-        keepalive = PlanKeepalive(lambda: channel.send(StepPlan(kind=StepKind.HEARTBEAT)),
-                                  lambda: channel.last_sent)
-    return Engine(runner, options, handler, channel.send if channel else (lambda plan: None),
-                  text_decoder, keepalive)
+        keepalive = PlanKeepalive(
+            lambda: channel.send(StepPlan(kind=StepKind.HEARTBEAT)), lambda: channel.last_sent
+        )
+    return Engine(
+        runner,
+        options,
+        handler,
+        channel.send if channel else (lambda plan: None),
+        text_decoder,
+        keepalive,
+    )
 
 
-def start_rank(config: EngineConfig, expected_tp: int | None = None
-               ) -> tuple[DistContext, ModelRunner, PlanChannel | None]:
+def start_rank(
+    config: EngineConfig, expected_tp: int | None = None
+) -> tuple[DistContext, ModelRunner, PlanChannel | None]:
     """Join the process group (torchrun's environment, or none for one process), build this
     rank's runner and, with several ranks, the plan channel. Ranks other than 0 ignore
     SIGINT/SIGTERM: rank 0 alone decides when to stop."""
@@ -188,7 +244,8 @@ def start_rank(config: EngineConfig, expected_tp: int | None = None
         raise ParallelLayoutError(
             f"--tp {expected_tp} does not match the number of ranks started ({ctx.world_size}): "
             f"leave --tp out (it defaults to that number) or start {expected_tp} ranks "
-            f"(torchrun --nproc-per-node={expected_tp}, or launch.py --nproc-per-node {expected_tp})")
+            f"(torchrun --nproc-per-node={expected_tp}, or launch.py --nproc-per-node {expected_tp})"
+        )
     if not ctx.is_driver:
         ignore_termination_signals()
     runner = build_runner(config, ctx.tp, config.torch_device(ctx.local_rank), ctx.min_across_ranks)
@@ -204,7 +261,8 @@ def rank0_engine(config: EngineConfig) -> tuple[DistContext, Engine, PlanChannel
     """For scripts run under torchrun (benchmarks, tests): join the group; ranks other than 0
     run the worker loop until the stop plan, leave the group and get None; rank 0 gets its
     engine. Rank 0 ends the group with `stop_group(channel)`."""
-    from ranks.worker import run_worker
+    from tapserve.ranks.worker import run_worker
+
     ctx, runner, channel = start_rank(config)
     if not ctx.is_driver:
         run_worker(runner, channel)

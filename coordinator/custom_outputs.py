@@ -1,5 +1,6 @@
 """Rank 0's side of custom outputs: building the handler, selecting positions, and running
 the handler once per step on the selected rows (one device-to-host copy per step)."""
+
 from __future__ import annotations
 
 import inspect
@@ -9,12 +10,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
-from coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
-from model.custom_output import (ALLOWED_DTYPES, CustomOutputError, HandlerLoadError,
-                                 check_output, describe, describe_error, load_handler_class,
-                                 module_weights_file, startup_step)
-from model.loader import open_safetensors, safetensors_files
+from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
+from tapserve.coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
+from tapserve.model.custom_output import (
+    ALLOWED_DTYPES,
+    CustomOutputError,
+    HandlerLoadError,
+    check_output,
+    describe,
+    describe_error,
+    load_handler_class,
+    module_weights_file,
+    startup_step,
+)
+from tapserve.model.loader import open_safetensors, safetensors_files
 
 
 class RequestError(Exception):
@@ -29,8 +38,9 @@ class RequestError(Exception):
         self.param = param
 
 
-def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype: torch.dtype,
-                  hidden_size: int) -> object:
+def build_handler(
+    spec: str, model_dir: Path | None, device: torch.device, dtype: torch.dtype, hidden_size: int
+) -> object:
     """Instantiate the deployment's handler (no arguments), give it its weights, and check it
     with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
     cls = load_handler_class(spec)
@@ -44,12 +54,15 @@ def build_handler(spec: str, model_dir: Path | None, device: torch.device, dtype
         # any iterable of names (a list, a tuple, a generator), but not one string
         names = None if isinstance(returned, (str, bytes)) else list(returned)
     if names is None or not all(isinstance(n, str) for n in names):
-        raise HandlerLoadError(f"custom handler {cls.__name__}.weight_names() must return a list "
-                               f"of tensor names, got {describe(returned)[:200]}")
+        raise HandlerLoadError(
+            f"custom handler {cls.__name__}.weight_names() must return a list "
+            f"of tensor names, got {describe(returned)[:200]}"
+        )
     if names:
         if not callable(getattr(handler, "load_weights", None)):
-            raise HandlerLoadError(f"custom handler {cls.__name__} names weights but has no "
-                                   f"method load_weights()")
+            raise HandlerLoadError(
+                f"custom handler {cls.__name__} names weights but has no method load_weights()"
+            )
         beside = module_weights_file(spec) or _weights_beside_class(cls)
         tensors = _find_tensors(names, model_dir, beside, device)
         with startup_step(f"custom handler {cls.__name__}.load_weights() failed"):
@@ -69,8 +82,9 @@ def _weights_beside_class(cls: type) -> Path | None:
     return path if path.is_file() else None
 
 
-def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
-                  device: torch.device) -> dict[str, torch.Tensor]:
+def _find_tensors(
+    names: list[str], model_dir: Path | None, extra: Path | None, device: torch.device
+) -> dict[str, torch.Tensor]:
     files = (safetensors_files(model_dir) if model_dir else []) + ([extra] if extra else [])
     found: dict[str, torch.Tensor] = {}
     for path in files:
@@ -79,50 +93,78 @@ def _find_tensors(names: list[str], model_dir: Path | None, extra: Path | None,
                 found[name] = f.get_tensor(name).to(device)
     missing = [n for n in names if n not in found]
     if missing:
-        raise HandlerLoadError(f"custom handler weights not found: {missing} (looked in "
-                               f"{[str(p) for p in files]}, then for <module_stem>.safetensors "
-                               f"beside the module)")
+        raise HandlerLoadError(
+            f"custom handler weights not found: {missing} (looked in "
+            f"{[str(p) for p in files]}, then for <module_stem>.safetensors "
+            f"beside the module)"
+        )
     return found
 
 
-def select_position(handler: object | None, input_ids: list[int], params: dict | None,
-                    max_new_tokens: int) -> int:
+def select_position(
+    handler: object | None, input_ids: list[int], params: dict | None, max_new_tokens: int
+) -> int:
     """Run the selector with the error rules of DESIGN.md; -1 means no custom output."""
     if handler is None:
         if params is not None:
-            raise RequestError(INVALID_PARAMS, "custom_output_params given but no custom output "
-                                               "module is loaded", "custom_output_params")
+            raise RequestError(
+                INVALID_PARAMS,
+                "custom_output_params given but no custom output module is loaded",
+                "custom_output_params",
+            )
         if max_new_tokens == 0:
-            raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
-                                               "needs a custom output module", "max_new_tokens")
+            raise RequestError(
+                INVALID_PARAMS,
+                "a scoring-only request (0 tokens to generate) needs a custom output module",
+                "max_new_tokens",
+            )
         return -1
     if params is not None and not isinstance(params, dict):
-        raise RequestError(INVALID_PARAMS, f"custom_output_params must be a JSON object, got "
-                                           f"{type(params).__name__}", "custom_output_params")
+        raise RequestError(
+            INVALID_PARAMS,
+            f"custom_output_params must be a JSON object, got {type(params).__name__}",
+            "custom_output_params",
+        )
     try:
         pos = handler.select_token_position(list(input_ids), params)
     except ValueError as e:
-        raise RequestError(INVALID_PARAMS, f"custom output selection: "
-                                           f"{describe_error(e, with_type=False)}",
-                           "custom_output_params") from None
+        raise RequestError(
+            INVALID_PARAMS,
+            f"custom output selection: {describe_error(e, with_type=False)}",
+            "custom_output_params",
+        ) from None
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
-        raise RequestError(EXECUTION_EXCEPTION, f"custom output selection failed: "
-                                                f"{describe_error(e)}") from None
+        raise RequestError(
+            EXECUTION_EXCEPTION, f"custom output selection failed: {describe_error(e)}"
+        ) from None
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool):
-        raise RequestError(INVALID_PARAMS, f"the selector returned {type(pos).__name__} "
-                                           f"{describe(pos)[:100]}, not an int position",
-                           "custom_output_params")
+        raise RequestError(
+            INVALID_PARAMS,
+            f"the selector returned {type(pos).__name__} "
+            f"{describe(pos)[:100]}, not an int position",
+            "custom_output_params",
+        )
     if not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
-        raise RequestError(INVALID_PARAMS, f"selected position {int(pos)} is outside "
-                                           f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)",
-                           "custom_output_params")
+        raise RequestError(
+            INVALID_PARAMS,
+            f"selected position {int(pos)} is outside "
+            f"[-1, {len(input_ids)}) (or -2, LAST_GENERATED)",
+            "custom_output_params",
+        )
     if pos == LAST_GENERATED and max_new_tokens == 0:
-        raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
-                                           "has no generated token for LAST_GENERATED (-2) to "
-                                           "score", "max_new_tokens")
+        raise RequestError(
+            INVALID_PARAMS,
+            "a scoring-only request (0 tokens to generate) "
+            "has no generated token for LAST_GENERATED (-2) to "
+            "score",
+            "max_new_tokens",
+        )
     if pos == -1 and max_new_tokens == 0:
-        raise RequestError(INVALID_PARAMS, "a scoring-only request (0 tokens to generate) "
-                                           "but the selector chose no token", "max_new_tokens")
+        raise RequestError(
+            INVALID_PARAMS,
+            "a scoring-only request (0 tokens to generate) but the selector chose no token",
+            "max_new_tokens",
+        )
     return int(pos)
 
 
@@ -136,6 +178,7 @@ class CustomOutputStats:
 class HostRows:
     """A step's handler output after its one device-to-host copy: `array` is the numpy
     carrier ([rows] or [rows, width]; bfloat16 travels as its int16 bit pattern)."""
+
     dtype: str
     array: np.ndarray
 
@@ -144,7 +187,7 @@ class HostRows:
 
     def row(self, i: int) -> np.ndarray:
         """Row i kept as [1] or [1, width] (a view: copy it before the buffer is reused)."""
-        return self.array[i:i + 1]
+        return self.array[i : i + 1]
 
 
 def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputStats) -> HostRows:
@@ -169,8 +212,11 @@ def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputS
 def encode_row(row: np.ndarray, dtype: str) -> dict:
     """One request's row ([1] or [1, width] numpy carrier) -> wire value {dtype, shape, data}
     (raw little-endian bytes)."""
-    return {"dtype": dtype, "shape": list(row.shape), "data": row.astype(row.dtype.newbyteorder("<"),
-                                                                          copy=False).tobytes()}
+    return {
+        "dtype": dtype,
+        "shape": list(row.shape),
+        "data": row.astype(row.dtype.newbyteorder("<"), copy=False).tobytes(),
+    }
 
 
 def decode_value(value: dict) -> torch.Tensor:

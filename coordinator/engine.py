@@ -5,39 +5,46 @@ forward -> custom outputs, sampling, forks and beams (coordinator/engine_tokens.
 outputs. A plain decode step may run ahead of its sampling (coordinator/run_ahead.py). `LLM.generate` in
 coordinator/offline.py drives it for offline use; coordinator/loop.py drives it for serving.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from itertools import count
-from typing import Callable
 
 import numpy as np
 import torch
 
-from api.detokenizer import Decoder
-from api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, Outputs, RequestOutput
-from coordinator.beam_search import BeamSearch
-from coordinator.blocks import BlockManager
-from coordinator.custom_outputs import (LAST_GENERATED, CustomOutputStats, RequestError,
-                                        encode_row, run_handler, select_position)
-from coordinator.output_dispatch import OutputDispatcher
-from coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
-from coordinator.planner import PlanRows, Planner
-from coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
-from coordinator.engine_tokens import TokenSteps
-from coordinator.keepalive import PlanKeepalive
-from coordinator.sampler import Sampler, to_device
-from coordinator.sampling_params import SamplingParams
-from coordinator.scheduled_batch import ScheduledBatch
-from coordinator.scheduler import Scheduler, SchedulerConfig
-from coordinator.sequence import Request, Sequence, SequenceFactory
-from coordinator.validation import validate_prompt, validate_rows
-from coordinator.stop_strings import truncate_output, watches_stop_strings
-from model.custom_output import CustomOutputError
-from ranks.plan import StepKind, StepPlan, block_table_dtype
-from ranks.runner import ModelRunner, StepOutput
+from tapserve.api.detokenizer import Decoder
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, Outputs, RequestOutput
+from tapserve.coordinator.beam_search import BeamSearch
+from tapserve.coordinator.blocks import BlockManager
+from tapserve.coordinator.custom_outputs import (
+    LAST_GENERATED,
+    CustomOutputStats,
+    RequestError,
+    encode_row,
+    run_handler,
+    select_position,
+)
+from tapserve.coordinator.engine_tokens import TokenSteps
+from tapserve.coordinator.keepalive import PlanKeepalive
+from tapserve.coordinator.output_dispatch import OutputDispatcher
+from tapserve.coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
+from tapserve.coordinator.planner import Planner, PlanRows
+from tapserve.coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
+from tapserve.coordinator.sampler import Sampler, to_device
+from tapserve.coordinator.scheduled_batch import ScheduledBatch
+from tapserve.coordinator.scheduler import Scheduler, SchedulerConfig
+from tapserve.coordinator.sequence import Request, Sequence, SequenceFactory
+from tapserve.coordinator.stop_strings import truncate_output, watches_stop_strings
+from tapserve.coordinator.validation import validate_prompt, validate_rows
+from tapserve.model.custom_output import CustomOutputError
+from tapserve.ranks.plan import StepKind, StepPlan, block_table_dtype
+from tapserve.ranks.runner import ModelRunner, StepOutput
 
 log = logging.getLogger("tapserve.coordinator")
 
@@ -62,27 +69,40 @@ class EngineOptions:
 
 
 class Engine(TokenSteps):
-    def __init__(self, runner: ModelRunner, options: EngineOptions, handler: object | None = None,
-                 send_plan: Callable[[StepPlan], None] = lambda plan: None,
-                 text_decoder: Decoder | None = None, keepalive: PlanKeepalive | None = None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        options: EngineOptions,
+        handler: object | None = None,
+        send_plan: Callable[[StepPlan], None] = lambda plan: None,
+        text_decoder: Decoder | None = None,
+        keepalive: PlanKeepalive | None = None,
+    ):
         """text_decoder: the serving tokenizer, for stop strings of LAST_GENERATED requests
         (coordinator/stop_strings.py); without it only the API process sees stop strings.
         keepalive: with other ranks, heartbeat plans while the handler runs."""
         capacity = runner.num_blocks * runner.cfg.block_size
         if options.max_model_len > capacity:  # one sequence must always fit the KV cache
-            log.warning("max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
-                        options.max_model_len, capacity, capacity)
+            log.warning(
+                "max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
+                options.max_model_len,
+                capacity,
+                capacity,
+            )
             options = replace(options, max_model_len=capacity)
         self.runner, self.options, self.handler = runner, options, handler
         self.text_decoder = text_decoder
         self.send_plan = send_plan
         self._handler_busy = keepalive.busy if keepalive is not None else nullcontext
-        self.blocks = BlockManager(runner.num_blocks, runner.cfg.block_size,
-                                   options.enable_prefix_caching)
+        self.blocks = BlockManager(
+            runner.num_blocks, runner.cfg.block_size, options.enable_prefix_caching
+        )
         self.scheduler = Scheduler(options.scheduler, self.blocks)
-        self.planner = Planner(runner.cfg.block_size,
-                               -(-options.max_model_len // runner.cfg.block_size),
-                               table_dtype=block_table_dtype(runner.num_blocks))
+        self.planner = Planner(
+            runner.cfg.block_size,
+            -(-options.max_model_len // runner.cfg.block_size),
+            table_dtype=block_table_dtype(runner.num_blocks),
+        )
         self.sampler = Sampler(options.seed, runner.device)
         self.beams = BeamSearch()
         self.seqs = SequenceFactory()
@@ -106,39 +126,52 @@ class Engine(TokenSteps):
         return runner.device.type == "cuda" if asked is None else asked
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    custom_output_params: dict | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        custom_output_params: dict | None = None,
+    ) -> None:
         """Validate and queue a request; raises RequestError (605/606) and queues nothing."""
         if request_id in self.requests:
             raise RequestError(INVALID_PARAMS, f"duplicate request id {request_id!r}")
         validate_prompt(prompt_token_ids, params, self.options, self.blocks)
         with self._handler_busy():
-            pos = select_position(self.handler, prompt_token_ids, custom_output_params,
-                                  params.max_new_tokens)
-        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals),
-                          custom_position=pos, **self._decode_checks(params, len(prompt_token_ids)))
+            pos = select_position(
+                self.handler, prompt_token_ids, custom_output_params, params.max_new_tokens
+            )
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            next(self._arrivals),
+            custom_position=pos,
+            **self._decode_checks(params, len(prompt_token_ids)),
+        )
         validate_rows(request.max_rows, params, self.options)
-        if pos >= 0 and (self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0):
+        if pos >= 0 and (
+            self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0
+        ):
             request.reuse_cap_tokens = pos  # reuse stops below the selected token
         if params.num_beams == 1 and watches_stop_strings(request, self.text_decoder):
             request.watch_stop_strings = True
             request.max_total_tokens = 0  # every new token goes through _check_stop
-        request.single = (params.n == 1 and params.num_beams == 1
-                          and not request.watch_stop_strings)
-        request.token_columns = (request.single and not params.logprobs
-                                 and params.max_new_tokens > 0)
-        request.runs_ahead = (request.token_columns and pos != LAST_GENERATED
-                              and params.batch_draw != "")
+        request.single = params.n == 1 and params.num_beams == 1 and not request.watch_stop_strings
+        request.token_columns = request.single and not params.logprobs and params.max_new_tokens > 0
+        request.runs_ahead = (
+            request.token_columns and pos != LAST_GENERATED and params.batch_draw != ""
+        )
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
     def _decode_checks(self, params: SamplingParams, prompt_len: int) -> dict:
         eos = [] if params.ignore_eos else self.options.eos_token_ids
-        return dict(stop_token_set=frozenset(eos) | frozenset(params.stop_token_ids),
-                    max_total_tokens=min(prompt_len + params.max_new_tokens,
-                                         self.options.max_model_len))
-
+        return dict(
+            stop_token_set=frozenset(eos) | frozenset(params.stop_token_ids),
+            max_total_tokens=min(prompt_len + params.max_new_tokens, self.options.max_model_len),
+        )
 
     def abort_request(self, request_id: str, error: tuple[int, str] | None = None) -> None:
         """Drop a request (client gone, stop string, shutdown); its final output says why."""
@@ -187,8 +220,12 @@ class Engine(TokenSteps):
     def _ahead_draw(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows) -> str | None:
         """The draw by which this step's tokens stay on the device while the next step is
         launched, or None (the step is finished synchronously)."""
-        if not self.run_ahead or plan.kind is not StepKind.DECODE or rows.custom_seqs \
-                or len(rows.logit_seqs) != len(batch.seqs):
+        if (
+            not self.run_ahead
+            or plan.kind is not StepKind.DECODE
+            or rows.custom_seqs
+            or len(rows.logit_seqs) != len(batch.seqs)
+        ):
             return None
         return ahead_draw(batch)
 
@@ -212,8 +249,9 @@ class Engine(TokenSteps):
             self._launch_ahead(batch, result.logits, ahead.draw, params)
         self._finish_ahead(ahead, outputs)
 
-    def _launch_ahead(self, batch: ScheduledBatch, logits: torch.Tensor, draw: str,
-                      params: list | None) -> None:
+    def _launch_ahead(
+        self, batch: ScheduledBatch, logits: torch.Tensor, draw: str, params: list | None
+    ) -> None:
         """Sample on the device as _draw_batch would, and keep the step in flight."""
         if draw == "greedy":
             tokens = self.sampler.greedy_tensor(logits)
@@ -221,8 +259,9 @@ class Engine(TokenSteps):
             tokens = self.sampler.temperature_tensor(logits, params)
         else:
             tokens = self.sampler.plain_tensor(logits, params)
-        self._ahead = AheadStep(batch, tokens, self._token_copies.start(tokens), draw,
-                                params, self._num_finished)
+        self._ahead = AheadStep(
+            batch, tokens, self._token_copies.start(tokens), draw, params, self._num_finished
+        )
         self.scheduler.note_advanced(batch, None)
         self.num_ahead_steps += 1
 
@@ -232,8 +271,11 @@ class Engine(TokenSteps):
         tokens, batch = ahead.pending.wait(), ahead.batch
         seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
         none_finished = ahead.num_finished_at_launch == self._num_finished
-        rows = range(len(seqs)) if none_finished else \
-            [i for i, s in enumerate(seqs) if not s.is_finished]
+        rows = (
+            range(len(seqs))
+            if none_finished
+            else [i for i, s in enumerate(seqs) if not s.is_finished]
+        )
         for i in rows:
             seq, computed = seqs[i], context_lens[i]
             seq.num_computed_tokens = computed
@@ -248,8 +290,9 @@ class Engine(TokenSteps):
         for request in put_news_in_columns([s for _, s in items], outputs):
             outputs.outputs.append(self._output(request))
 
-    def _postprocess(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows,
-                     result: StepOutput) -> list[int] | None:
+    def _postprocess(
+        self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, result: StepOutput
+    ) -> list[int] | None:
         """Returns each row's token when every row gained exactly its sampled token."""
         seqs = batch.seqs
         for seq, context_len in zip(seqs, batch.context_lens):
@@ -260,19 +303,26 @@ class Engine(TokenSteps):
             self.blocks.register_computed(seqs[i])  # a block filled in this step
         live = list(enumerate(rows.logit_seqs))
         if rows.custom_seqs:
-            self._run_custom(result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
-                             rows.custom_seqs)
+            self._run_custom(
+                result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
+                rows.custom_seqs,
+            )
             live = [(i, s) for i, s in live if s.request.error_code is None]  # the handler failed
         advanced = self._sample(result.logits, live) if live else None
         self._collect_custom()
-        if advanced is not None and not rows.custom_seqs and len(live) == len(seqs) \
-                and plan.kind is StepKind.DECODE:
+        if (
+            advanced is not None
+            and not rows.custom_seqs
+            and len(live) == len(seqs)
+            and plan.kind is StepKind.DECODE
+        ):
             self.scheduler.note_advanced(batch, advanced)  # every row gained its token alone
             return advanced
         return None
 
-    def _collect_outputs(self, batch: ScheduledBatch, outputs: Outputs,
-                         advanced: list[int] | None) -> None:
+    def _collect_outputs(
+        self, batch: ScheduledBatch, outputs: Outputs, advanced: list[int] | None
+    ) -> None:
         """One output per request the step touched: the usual decode news in the columns
         (coordinator/outputs.py), a full RequestOutput for the rest."""
         for request in self.columns.put(batch, advanced, outputs):
@@ -302,8 +352,11 @@ class Engine(TokenSteps):
             try:
                 value = future.result()
             except Exception as e:
-                self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: "
-                                                             f"{type(e).__name__}: {e}")
+                self._fail(
+                    seq.request,
+                    EXECUTION_EXCEPTION,
+                    f"custom output processor failed: {type(e).__name__}: {e}",
+                )
                 continue
             if seq.scoring_reason is None:
                 seq.request.custom_output = value
@@ -319,8 +372,11 @@ class Engine(TokenSteps):
 
     def _finish_scoring_only(self, request: Request) -> None:
         seq = request.sequences[0]
-        if request.params.max_new_tokens == 0 and not seq.is_finished \
-                and seq.num_computed_tokens == seq.num_tokens:
+        if (
+            request.params.max_new_tokens == 0
+            and not seq.is_finished
+            and seq.num_computed_tokens == seq.num_tokens
+        ):
             self._finish_seq(seq, "length")
 
     # ---- finishing -----------------------------------------------------------------------

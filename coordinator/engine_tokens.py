@@ -4,26 +4,28 @@ stop checks and finishing a sequence.
 `TokenSteps` is the base class of `coordinator.engine.Engine`, split out to keep each file
 readable; it uses the engine's attributes declared below (set in `Engine.__init__`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from coordinator.beam_search import BeamSearch
-from coordinator.blocks import BlockManager
-from coordinator.custom_outputs import LAST_GENERATED
-from coordinator.sampler import SampleRow, Sampler
-from coordinator.scheduler import Scheduler
-from coordinator.sequence import Request, Sequence, SequenceFactory, SeqStatus
-from coordinator.stop_strings import kept_output_tokens
+from tapserve.coordinator.beam_search import BeamSearch
+from tapserve.coordinator.blocks import BlockManager
+from tapserve.coordinator.custom_outputs import LAST_GENERATED
+from tapserve.coordinator.sampler import Sampler, SampleRow
+from tapserve.coordinator.scheduler import Scheduler
+from tapserve.coordinator.sequence import Request, SeqStatus, Sequence, SequenceFactory
+from tapserve.coordinator.stop_strings import kept_output_tokens
 
 if TYPE_CHECKING:
-    from coordinator.engine import EngineOptions
+    from tapserve.coordinator.engine import EngineOptions
 
 
 class TokenSteps:
     """Sampling and stop handling of the engine (see coordinator/engine.py)."""
+
     options: EngineOptions
     scheduler: Scheduler
     blocks: BlockManager
@@ -47,8 +49,11 @@ class TokenSteps:
         beam_groups: dict[Request, list[tuple[int, Sequence]]] = {}
         plain = []
         for i, seq in live:
-            (beam_groups.setdefault(seq.request, []) if seq.request.params.num_beams > 1
-             else plain).append((i, seq))
+            (
+                beam_groups.setdefault(seq.request, [])
+                if seq.request.params.num_beams > 1
+                else plain
+            ).append((i, seq))
         if plain:
             self._sample_rows(logits, plain)
         for request, group in beam_groups.items():
@@ -56,8 +61,9 @@ class TokenSteps:
             self._apply_beam_step(request, [s for _, s in group], logits[idx])
         return None
 
-    def _draw_batch(self, logits: torch.Tensor, items: list[tuple[int, Sequence]],
-                    draws: set[str]) -> list[int] | None:
+    def _draw_batch(
+        self, logits: torch.Tensor, items: list[tuple[int, Sequence]], draws: set[str]
+    ) -> list[int] | None:
         """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
         or one draw for the whole batch. Returns the tokens if no row needed a stop check."""
         if len(items) != logits.shape[0]:
@@ -66,17 +72,25 @@ class TokenSteps:
             tokens = self.sampler.greedy(logits)
         elif draws == {"temperature"}:
             tokens = self.sampler.sample_temperature(
-                logits, [s.request.params.temperature for _, s in items])
+                logits, [s.request.params.temperature for _, s in items]
+            )
         else:
             tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
         return tokens if self._append_plain(items, tokens) else None
 
     def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         """A SampleRow per row; forks an unforked request into its n samples."""
-        rows = [SampleRow(s.request.params, s.token_ids, s.num_prompt_tokens,
-                          self.options.eos_token_ids, seed_key=s.index,
-                          num_samples=1 if s.request.forked else s.request.params.n)
-                for _, s in items]
+        rows = [
+            SampleRow(
+                s.request.params,
+                s.token_ids,
+                s.num_prompt_tokens,
+                self.options.eos_token_ids,
+                seed_key=s.index,
+                num_samples=1 if s.request.forked else s.request.params.n,
+            )
+            for _, s in items
+        ]
         idx = torch.tensor([i for i, _ in items], device=logits.device)
         result = self.sampler(logits[idx], rows)
         for k, (_, seq) in enumerate(items):
@@ -102,7 +116,9 @@ class TokenSteps:
                 plain = False
         return plain
 
-    def _fork(self, parent: Sequence, count_: int, first_index: int | None = None) -> list[Sequence]:
+    def _fork(
+        self, parent: Sequence, count_: int, first_index: int | None = None
+    ) -> list[Sequence]:
         children = []
         request = parent.request
         for j in range(count_):
@@ -115,11 +131,14 @@ class TokenSteps:
             children.append(child)
         return children
 
-    def _apply_beam_step(self, request: Request, beams: list[Sequence], logits: torch.Tensor) -> None:
+    def _apply_beam_step(
+        self, request: Request, beams: list[Sequence], logits: torch.Tensor
+    ) -> None:
         request.forked = True
         before = {id(h) for h in request.beam_state.finished} if request.beam_state else set()
-        running, done = self.beams.step(request, beams, logits, self.options.eos_token_ids,
-                                        self.options.max_model_len)
+        running, done = self.beams.step(
+            request, beams, logits, self.options.eos_token_ids, self.options.max_model_len
+        )
         if request.custom_position == LAST_GENERATED:
             self._score_hypotheses(request, beams, before)
         if done:
@@ -201,7 +220,9 @@ class TokenSteps:
         return None
 
     # ---- finishing -----------------------------------------------------------------------
-    def _finish_seq(self, seq: Sequence, reason: str, emit: bool = True, score: bool = True) -> None:
+    def _finish_seq(
+        self, seq: Sequence, reason: str, emit: bool = True, score: bool = True
+    ) -> None:
         if seq.is_finished:
             return
         if reason in ("stop", "length") and score and self._scores_last_token(seq):
@@ -219,6 +240,10 @@ class TokenSteps:
         """LAST_GENERATED: a finishing sequence (not a beam: beams score their hypotheses)
         stays running one more step, its last token computed for the handler, no logits."""
         request = seq.request
-        return (request.custom_position == LAST_GENERATED and request.params.num_beams == 1
-                and seq.scoring_reason is None and seq.num_output_tokens > 0
-                and request.error_code is None)
+        return (
+            request.custom_position == LAST_GENERATED
+            and request.params.num_beams == 1
+            and seq.scoring_reason is None
+            and seq.num_output_tokens > 0
+            and request.error_code is None
+        )

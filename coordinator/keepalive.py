@@ -9,6 +9,7 @@ call: a helper thread sends a heartbeat plan whenever `period` seconds have pass
 channel's last plan of any kind. The main thread sends nothing while it is busy, and leaving
 `busy()` waits for a heartbeat in progress, so the channel is never used by two threads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,12 @@ HEARTBEAT_SECONDS = 1.0  # how often rank 0 sends a heartbeat plan while it send
 
 
 class PlanKeepalive:
-    def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float],
-                 period: float = HEARTBEAT_SECONDS):
+    def __init__(
+        self,
+        send_heartbeat: Callable[[], None],
+        last_sent: Callable[[], float],
+        period: float = HEARTBEAT_SECONDS,
+    ):
         """last_sent: time.monotonic() of the channel's last plan (heartbeats included)."""
         self._send, self._last_sent, self._period = send_heartbeat, last_sent, period
         self._cond = threading.Condition()

@@ -7,6 +7,7 @@ in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an err
 signal sent to the API process itself arrives as a wire.DrainRequest and counts the same; the
 API process stops when the final wire.Shutdown tells it the engine has stopped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,13 +20,13 @@ from dataclasses import dataclass
 
 import zmq
 
-from api import wire
-from coordinator.custom_outputs import RequestError
-from coordinator.engine import Engine
-from coordinator.keepalive import HEARTBEAT_SECONDS
-from coordinator.sampling_params import SamplingParams
-from ranks.group import PlanChannel
-from ranks.plan import StepKind, StepPlan
+from tapserve.api import wire
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.coordinator.custom_outputs import RequestError
+from tapserve.coordinator.engine import Engine
+from tapserve.coordinator.keepalive import HEARTBEAT_SECONDS
+from tapserve.ranks.group import PlanChannel
+from tapserve.ranks.plan import StepKind, StepPlan
 
 log = logging.getLogger("tapserve.coordinator")
 STOP_WAIT_SECONDS = 5.0  # for a step in flight to end before the stop plan goes out
@@ -48,8 +49,13 @@ class LoopSettings:
 
 
 class CoordinatorLoop:
-    def __init__(self, engine: Engine, settings: LoopSettings, channel: PlanChannel | None,
-                 api_process: subprocess.Popen | None):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: LoopSettings,
+        channel: PlanChannel | None,
+        api_process: subprocess.Popen | None,
+    ):
         self.engine, self.settings, self.channel = engine, settings, channel
         self.api_process = api_process
         self.zmq = zmq.Context()
@@ -68,14 +74,18 @@ class CoordinatorLoop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum, frame, from_api: bool = False,
-                   signal_time: float | None = None) -> None:
+    def _on_signal(
+        self, signum, frame, from_api: bool = False, signal_time: float | None = None
+    ) -> None:
         """signal_time: when the signal came (time.monotonic), if not now (the API process's,
         read after a step): one that came with the first counts as the first."""
         now = time.monotonic() if signal_time is None else signal_time
         if self.stop_requested_at is None:
-            log.info("signal %s: draining for up to %.0f s (signal again to stop now)", signum,
-                     self.settings.shutdown_timeout)
+            log.info(
+                "signal %s: draining for up to %.0f s (signal again to stop now)",
+                signum,
+                self.settings.shutdown_timeout,
+            )
             self.stop_requested_at = now  # the loop announces it (not re-entrant here)
             self._first_signal_from_api = from_api
         elif now - self.stop_requested_at >= self._repeat_gap(from_api) and not self._stop_now:
@@ -109,8 +119,10 @@ class CoordinatorLoop:
                 if self.incoming.poll(200):  # a drain request it sent before it went (after
                     self._receive(block=False)  # a freeze, ZeroMQ's I/O thread may lag)
                 return self._api_exited(self.api_process.returncode)
-            if self.settings.launcher_pid is not None \
-                    and os.getppid() != self.settings.launcher_pid:
+            if (
+                self.settings.launcher_pid is not None
+                and os.getppid() != self.settings.launcher_pid
+            ):
                 log.error("the launcher (pid %d) is gone; stopping", self.settings.launcher_pid)
                 return 1
             self._receive(block=not self.engine.has_work())
@@ -155,14 +167,19 @@ class CoordinatorLoop:
             # it may come with rank 0's own signal (systemd signals every process of a
             # unit): only a later one counts as a second signal, even without a launcher
             now = time.monotonic()  # (the message may be read a long step after the signal)
-            self._on_signal(msg.signal, None, from_api=True,
-                            signal_time=min(msg.signal_time or now, now))
+            self._on_signal(
+                msg.signal, None, from_api=True, signal_time=min(msg.signal_time or now, now)
+            )
             return
         if not isinstance(msg, wire.AddRequest):
             return
         if self.settings.log_requests:
-            log.info("request %s: %d prompt tokens, params %s", msg.request_id,
-                     len(msg.prompt_token_ids), msg.sampling_params)
+            log.info(
+                "request %s: %d prompt tokens, params %s",
+                msg.request_id,
+                len(msg.prompt_token_ids),
+                msg.sampling_params,
+            )
         self._send_outputs(wire.Outputs([self._admit(msg)]))
 
     def _admit(self, msg: wire.AddRequest) -> wire.RequestOutput:
@@ -170,21 +187,32 @@ class CoordinatorLoop:
             return self._rejection(msg.request_id, SHUTTING_DOWN, "server is shutting down")
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                    msg.custom_output_params)
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, msg.custom_output_params
+            )
         except RequestError as e:
             return self._rejection(msg.request_id, e.code, e.message, e.param)
         except (ValueError, TypeError) as e:
             return self._rejection(msg.request_id, wire.INVALID_PARAMS, str(e))
         return wire.RequestOutput(
-            msg.request_id, accepted=True, num_prompt_tokens=len(msg.prompt_token_ids),
-            engine_stop_strings=self.engine.requests[msg.request_id].watch_stop_strings)
+            msg.request_id,
+            accepted=True,
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            engine_stop_strings=self.engine.requests[msg.request_id].watch_stop_strings,
+        )
 
     @staticmethod
-    def _rejection(request_id: str, code: int, message: str,
-                   param: str | None = None) -> wire.RequestOutput:
-        return wire.RequestOutput(request_id, accepted=False, finished=True,
-                                  error_code=code, error_message=message, error_param=param)
+    def _rejection(
+        request_id: str, code: int, message: str, param: str | None = None
+    ) -> wire.RequestOutput:
+        return wire.RequestOutput(
+            request_id,
+            accepted=False,
+            finished=True,
+            error_code=code,
+            error_message=message,
+            error_param=param,
+        )
 
     def _send_outputs(self, outputs: wire.Outputs) -> None:
         if len(outputs):
@@ -212,13 +240,17 @@ class CoordinatorLoop:
     def stats(self) -> wire.EngineStats:
         e = self.engine
         return wire.EngineStats(
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
+            num_running=len(e.scheduler.running),
+            num_waiting=len(e.scheduler.waiting),
             kv_blocks_total=e.blocks.num_blocks,
             kv_blocks_used=e.blocks.num_blocks - e.blocks.num_free_blocks,
             prefix_cache_queries=e.blocks.stats.queried_tokens,
             prefix_cache_hits=e.blocks.stats.hit_tokens,
-            custom_output_calls=e.custom_stats.calls, custom_output_errors=e.custom_stats.errors,
-            engine_steps=e.num_steps, engine_steps_ahead=e.num_ahead_steps)
+            custom_output_calls=e.custom_stats.calls,
+            custom_output_errors=e.custom_stats.errors,
+            engine_steps=e.num_steps,
+            engine_steps_ahead=e.num_ahead_steps,
+        )
 
     def _announce_drain(self) -> None:
         if not self._drain_announced:
@@ -228,26 +260,33 @@ class CoordinatorLoop:
     def _drained(self) -> bool:
         if not self.engine.requests and not self.engine.has_work():  # no step in flight
             return True
-        if not self._stop_now \
-                and time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout:
+        if (
+            not self._stop_now
+            and time.monotonic() - self.stop_requested_at < self.settings.shutdown_timeout
+        ):
             return False
         for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id, error=(SHUTTING_DOWN, "server shut down before "
-                                                         "the request finished"))
+            self.engine.abort_request(
+                request_id, error=(SHUTTING_DOWN, "server shut down before the request finished")
+            )
         self._send_outputs(self.engine.step())
         return True
 
     def _stop(self, plan_timeout_s: float | None = None) -> None:
-        if not self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True))) \
-                and self.api_process is not None and self.api_process.poll() is None:
+        if (
+            not self._flush_to_api(wire.encode(wire.Shutdown("engine stopped", stopped=True)))
+            and self.api_process is not None
+            and self.api_process.poll() is None
+        ):
             log.info("the API process has not connected; stopping it")
             self.api_process.kill()  # still starting: it serves nothing yet
         if self.channel is not None:
             # a step may be in flight (a failure exit): its collectives should end on every
             # GPU before the stop plan lets the other ranks leave
             if not self.engine.runner.wait_idle(STOP_WAIT_SECONDS):
-                log.warning("a step still runs on the GPU %.0f s on; stopping anyway",
-                            STOP_WAIT_SECONDS)
+                log.warning(
+                    "a step still runs on the GPU %.0f s on; stopping anyway", STOP_WAIT_SECONDS
+                )
             try:
                 self.channel.send(StepPlan(kind=StepKind.STOP), plan_timeout_s)
             except RuntimeError:
@@ -256,8 +295,9 @@ class CoordinatorLoop:
             try:  # the Shutdown above stops it: it finishes the responses it has data for
                 self.api_process.wait(API_EXIT_SECONDS)
             except subprocess.TimeoutExpired:
-                log.warning("the API process did not stop within %.0f s; killing it",
-                            API_EXIT_SECONDS)
+                log.warning(
+                    "the API process did not stop within %.0f s; killing it", API_EXIT_SECONDS
+                )
                 self.api_process.kill()
         self.incoming.close(0)
         self.zmq.term()

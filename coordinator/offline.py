@@ -1,4 +1,5 @@
 """Offline use in one process: `LLM(EngineConfig(...)).generate(prompts, SamplingParams(...))`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,12 +8,13 @@ from pathlib import Path
 
 import torch
 
-from api.detokenizer import IncrementalDetokenizer, StopChecker
-from api.tokenizer import TextTokenizer
-from api.wire import RequestOutput
-from coordinator.config import EngineConfig, build_engine, build_runner
-from coordinator.custom_outputs import RequestError, decode_value
-from coordinator.sampling_params import SamplingParams, is_integer, model_sampling_defaults
+from tapserve.api.detokenizer import IncrementalDetokenizer, StopChecker
+from tapserve.api.sampling_params import SamplingParams, is_integer
+from tapserve.api.tokenizer import TextTokenizer
+from tapserve.api.wire import RequestOutput
+from tapserve.coordinator.config import EngineConfig, build_engine, build_runner
+from tapserve.coordinator.custom_outputs import RequestError, decode_value
+from tapserve.coordinator.generation_defaults import model_sampling_defaults
 
 
 @dataclass
@@ -68,10 +70,13 @@ class LLM:
         self.model_defaults = model_sampling_defaults(self.config.model_dir())
         self._ids = count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 custom_output_params: list[dict | None] | None = None,
-                 raise_errors: bool = True) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        custom_output_params: list[dict | None] | None = None,
+        raise_errors: bool = True,
+    ) -> list[GenerationResult]:
         """Run prompts (text or token ids; one string is one prompt) to completion, sharing
         batches; results in order. params None: the model's generation_config.json
         defaults, as the server and vLLM take them. raise_errors: a request that fails
@@ -84,8 +89,10 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params_list):
             raise TypeError("params must be a SamplingParams or a list of them")
         if not len(params_list) == len(cop) == len(prompts):
-            raise ValueError(f"{len(prompts)} prompts, but {len(params_list)} sampling params "
-                             f"and {len(cop)} custom_output_params: give one per prompt")
+            raise ValueError(
+                f"{len(prompts)} prompts, but {len(params_list)} sampling params "
+                f"and {len(cop)} custom_output_params: give one per prompt"
+            )
         results: dict[str, GenerationResult] = {}
         token_ids = [self._encode(prompt) for prompt in prompts]  # before anything is queued
         for ids, p, c in zip(token_ids, params_list, cop):
@@ -108,8 +115,9 @@ class LLM:
             raise
         failed = [r for r in results.values() if r.error_code is not None]
         if raise_errors and failed:
-            raise RequestError(failed[0].error_code,
-                               f"{failed[0].request_id}: {failed[0].error_message}")
+            raise RequestError(
+                failed[0].error_code, f"{failed[0].request_id}: {failed[0].error_message}"
+            )
         for r, p in zip(results.values(), params_list):
             self._finish(r, p)
         return list(results.values())
@@ -129,9 +137,10 @@ class LLM:
         heeds) leaves its text out unless include_stop_str_in_output, and with it a
         character it might have completed; special tokens as skip_special_tokens says."""
         hidden = p.hides_last(ids, self.engine.options.eos_token_ids)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, p.skip_special_tokens,
-                                       StopChecker())
-        detok.add_tokens(ids[:len(ids) - hidden])
+        detok = IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, p.skip_special_tokens, StopChecker()
+        )
+        detok.add_tokens(ids[: len(ids) - hidden])
         if hidden:
             detok.drop_held()
         detok.finish()
@@ -149,14 +158,21 @@ class LLM:
         if not isinstance(prompt, str):
             ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt  # numpy, torch
             if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
-                raise ValueError(f"a prompt is a string or a list of token ids (integers), "
-                                 f"got {str(prompt)[:80]}")
+                raise ValueError(
+                    f"a prompt is a string or a list of token ids (integers), "
+                    f"got {str(prompt)[:80]}"
+                )
             return [int(t) for t in ids]
         if self.tokenizer is None:
-            where = (f"--tokenizer {self.config.tokenizer} has no tokenizer.json"
-                     if self.config.tokenizer else "the model folder has no tokenizer.json")
-            raise ValueError(f"a text prompt needs a tokenizer, and {where}: pass token ids, "
-                             "or a tokenizer folder (EngineConfig(tokenizer=...), --tokenizer)")
+            where = (
+                f"--tokenizer {self.config.tokenizer} has no tokenizer.json"
+                if self.config.tokenizer
+                else "the model folder has no tokenizer.json"
+            )
+            raise ValueError(
+                f"a text prompt needs a tokenizer, and {where}: pass token ids, "
+                "or a tokenizer folder (EngineConfig(tokenizer=...), --tokenizer)"
+            )
         return self.tokenizer.encode(prompt)  # special tokens added, as transformers' encode
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -10,14 +10,15 @@ step's host buffer may be reused or freed as soon as `submit_rows` returns. The 
 for a step's futures, in queue order, before it builds that step's outputs: results are
 identical for any N; with N > 0 the encoding overlaps the step's sampling.
 """
+
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 
 MAX_WORKERS = 64  # threads encoding rows: more than a host's cores buys nothing
 
@@ -32,8 +33,9 @@ class OutputDispatcher:
     def __init__(self, workers: int = 0):
         check_workers(workers)
         self.workers = workers
-        self._shards = [ThreadPoolExecutor(1, thread_name_prefix=f"tapserve-output-{i}")
-                        for i in range(workers)]
+        self._shards = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"tapserve-output-{i}") for i in range(workers)
+        ]
 
     def shard_of(self, key: str) -> int:
         """Stable shard of a request id (same shard for every task of that request)."""
@@ -59,7 +61,7 @@ class OutputDispatcher:
         self._shards = []
         self.workers = 0
 
-    def __enter__(self) -> "OutputDispatcher":
+    def __enter__(self) -> OutputDispatcher:
         return self
 
     def __exit__(self, *exc: object) -> None:

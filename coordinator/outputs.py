@@ -1,10 +1,11 @@
 """A request's wire output after a step: its sequences' news since the last output."""
+
 from __future__ import annotations
 
-from api.wire import Outputs, RequestOutput, SequenceOutput
-from coordinator.beam_search import BeamSearch
-from coordinator.scheduled_batch import ScheduledBatch
-from coordinator.sequence import Request, Sequence, SeqStatus
+from tapserve.api.wire import Outputs, RequestOutput, SequenceOutput
+from tapserve.coordinator.beam_search import BeamSearch
+from tapserve.coordinator.scheduled_batch import ScheduledBatch
+from tapserve.coordinator.sequence import Request, SeqStatus, Sequence
 
 
 def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
@@ -15,17 +16,27 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
     params = request.params
     if params.max_new_tokens == 0:  # scoring only: n empty sequences, one value
         reason = seqs[0].finish_reason
-        outs = [SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
-                for i in range(params.n)]
+        outs = [
+            SequenceOutput(index=i, finish_reason=reason, cumulative_logprob=0.0)
+            for i in range(params.n)
+        ]
     elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
         outs = beams.final_outputs(request) if finished else []
     else:
         outs = [sequence_output(s, params.logprobs) for s in seqs]
     # positional: RequestOutput's field order (request_id, accepted, sequences, finished,
     # custom_output, error_code, error_message, num_prompt_tokens, num_cached_tokens)
-    return RequestOutput(request.request_id, True, outs, finished, request.custom_output,
-                         request.error_code, request.error_message,
-                         len(request.prompt_token_ids), request.num_cached_tokens)
+    return RequestOutput(
+        request.request_id,
+        True,
+        outs,
+        finished,
+        request.custom_output,
+        request.error_code,
+        request.error_message,
+        len(request.prompt_token_ids),
+        request.num_cached_tokens,
+    )
 
 
 def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
@@ -35,10 +46,15 @@ def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
     seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
     # positional: SequenceOutput's field order (index, new_token_ids, new_logprobs,
     # new_top_logprobs, finish_reason, cumulative_logprob, custom_output)
-    return SequenceOutput(seq.index, token_ids[seq.num_prompt_tokens + start:],
-                          seq.logprobs[start:] if with_logprobs else None,
-                          seq.top_logprobs[start:] if with_logprobs else None,
-                          seq.finish_reason, seq.cumulative_logprob, seq.custom_output)
+    return SequenceOutput(
+        seq.index,
+        token_ids[seq.num_prompt_tokens + start :],
+        seq.logprobs[start:] if with_logprobs else None,
+        seq.top_logprobs[start:] if with_logprobs else None,
+        seq.finish_reason,
+        seq.cumulative_logprob,
+        seq.custom_output,
+    )
 
 
 def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]:
@@ -50,8 +66,12 @@ def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]
     running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
     for seq in seqs:
         request, token_ids, emitted = seq.request, seq.token_ids, seq.num_emitted_tokens
-        if (request.token_columns and emitted and seq.status is running
-                and len(token_ids) == seq.num_prompt_tokens + emitted + 1):
+        if (
+            request.token_columns
+            and emitted
+            and seq.status is running
+            and len(token_ids) == seq.num_prompt_tokens + emitted + 1
+        ):
             request_ids.append(request.request_id)
             new_tokens.append(token_ids[-1])
             seq.num_emitted_tokens = emitted + 1
@@ -74,8 +94,9 @@ class SteadyColumns:
         """Forget the last batch: the next one's news goes through put_news_in_columns."""
         self._serial, self._ids = -1, None
 
-    def put(self, batch: ScheduledBatch, tokens: list[int] | None,
-            outputs: Outputs) -> list[Request]:
+    def put(
+        self, batch: ScheduledBatch, tokens: list[int] | None, outputs: Outputs
+    ) -> list[Request]:
         """tokens: each row's one new token when every row gained exactly that, else None.
         Returns the requests that need a full RequestOutput, as put_news_in_columns."""
         if tokens is not None and batch.follows == self._serial >= 0:

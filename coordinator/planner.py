@@ -1,27 +1,34 @@
 """Turns a scheduled batch into the StepPlan every rank runs (rank 0 only)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.scheduled_batch import ScheduledBatch
-from coordinator.sequence import Sequence
-from ranks.plan import PlanMessage, StepKind, StepPlan
+from tapserve.coordinator.scheduled_batch import ScheduledBatch
+from tapserve.coordinator.sequence import Sequence
+from tapserve.ranks.plan import PlanMessage, StepKind, StepPlan
 
 
 @dataclass
 class PlanRows:
     """Which sequences own the plan's logit rows and custom rows, in row order."""
+
     logit_seqs: list[Sequence] = field(default_factory=list)
     custom_seqs: list[Sequence] = field(default_factory=list)
 
 
 def needs_custom_row(seq: Sequence, start: int, n: int) -> bool:
     req = seq.request
-    return (not req.forked and seq is req.sequences[0] and req.custom_output is None
-            and not req.custom_output_skipped and req.error_code is None
-            and start <= req.custom_position < start + n)
+    return (
+        not req.forked
+        and seq is req.sequences[0]
+        and req.custom_output is None
+        and not req.custom_output_skipped
+        and req.error_code is None
+        and start <= req.custom_position < start + n
+    )
 
 
 def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
@@ -36,6 +43,7 @@ TABLE_WIDTH_STEP = 16  # advanced plans' block tables: a multiple of this many c
 @dataclass
 class _Advanceable:
     """The last decode plan, laid out in its message, that a steady step may advance."""
+
     serial: int  # of the batch it was built for
     plan: StepPlan
     stamps: list[int]  # the rows' table stamps, as its block tables hold them
@@ -48,8 +56,13 @@ class Planner:
     scheduler's ScheduledBatch.follows) advances in place: no Sequence read but the rows
     whose tables grew, no array made, nothing to encode."""
 
-    def __init__(self, block_size: int, max_table_width: int | None = None,
-                 width_step: int = TABLE_WIDTH_STEP, table_dtype: np.dtype = np.dtype(np.int32)):
+    def __init__(
+        self,
+        block_size: int,
+        max_table_width: int | None = None,
+        width_step: int = TABLE_WIDTH_STEP,
+        table_dtype: np.dtype = np.dtype(np.int32),
+    ):
         """max_table_width: the most blocks a table may hold (max_model_len / block_size);
         plans that steady steps advance pad their tables to whole multiples of width_step
         columns, never wider than that (a runner's static block-table buffer). table_dtype:
@@ -62,27 +75,34 @@ class Planner:
 
     def build(self, batch: ScheduledBatch) -> tuple[StepPlan, PlanRows]:
         last, self._advanceable = self._advanceable, None
-        if last is not None and batch.follows == last.serial and not batch.block_copies \
-                and len(batch.seqs) == last.plan.num_seqs:  # (follows promises the same rows)
+        if (
+            last is not None
+            and batch.follows == last.serial
+            and not batch.block_copies
+            and len(batch.seqs) == last.plan.num_seqs
+        ):  # (follows promises the same rows)
             plan = self._advance(last.plan, batch)
             self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, True)
             return plan, PlanRows(list(batch.seqs), [])
         if last is not None and last.advanced:  # the buffer lags behind the advanced tables
             plan = last.plan
-            self.tables.adopt(plan.block_tables, last.stamps,
-                              -(-plan.context_lens // self.block_size))
+            self.tables.adopt(
+                plan.block_tables, last.stamps, -(-plan.context_lens // self.block_size)
+            )
         seqs = batch.seqs
         context_lens = np.asarray(batch.context_lens, np.int32)
         # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
         tables = self.tables.gather(seqs, batch.table_stamps)
         if not batch.partial and counts.count(1) == len(counts):
-            plan, rows = _decode_plan(batch, self.block_size, tables, context_lens,
-                                      self._range(len(seqs)))
+            plan, rows = _decode_plan(
+                batch, self.block_size, tables, context_lens, self._range(len(seqs))
+            )
             if not batch.has_special_rows and not batch.block_copies:  # a steady step may follow
                 spare = last.plan.wire.buffer if last is not None else None  # used up
                 plan = PlanMessage(plan, self._table_width(tables.shape[1]), spare).plan(
-                    plan.kind, ids_from_rank0=plan.ids_from_rank0)
+                    plan.kind, ids_from_rank0=plan.ids_from_rank0
+                )
                 self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, False)
             return plan, rows
         one_token = np.asarray(counts) == 1
@@ -131,8 +151,13 @@ class Planner:
         return self._ranges[n]
 
 
-def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: np.ndarray,
-                context_lens: np.ndarray) -> tuple[StepPlan, PlanRows]:
+def _mixed_plan(
+    batch: ScheduledBatch,
+    kind: StepKind,
+    block_size: int,
+    tables: np.ndarray,
+    context_lens: np.ndarray,
+) -> tuple[StepPlan, PlanRows]:
     """Prefill chunks and decode rows together, token by token."""
     ids: list[int] = []
     positions: list[int] = []
@@ -143,10 +168,12 @@ def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: 
     rows = PlanRows()
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start, offset = seq.num_computed_tokens, len(ids)
-        ids += seq.token_ids[start:start + n]
+        ids += seq.token_ids[start : start + n]
         positions += range(start, start + n)
         table = seq.block_table
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        ]
         query_start.append(offset + n)
         if scores_last_token(seq, start, n):
             custom_rows.append(offset + n - 1)
@@ -159,11 +186,16 @@ def _mixed_plan(batch: ScheduledBatch, kind: StepKind, block_size: int, tables: 
             rows.custom_seqs.append(seq)
     plan = StepPlan(
         kind=kind,
-        input_ids=np.asarray(ids, np.int64), positions=np.asarray(positions, np.int64),
-        slot_mapping=np.asarray(slots, np.int64), query_start_loc=np.asarray(query_start, np.int32),
-        context_lens=context_lens, block_tables=tables,
-        logit_rows=np.asarray(logit_rows, np.int64), custom_rows=np.asarray(custom_rows, np.int64),
-        block_copies=_copies(batch))
+        input_ids=np.asarray(ids, np.int64),
+        positions=np.asarray(positions, np.int64),
+        slot_mapping=np.asarray(slots, np.int64),
+        query_start_loc=np.asarray(query_start, np.int32),
+        context_lens=context_lens,
+        block_tables=tables,
+        logit_rows=np.asarray(logit_rows, np.int64),
+        custom_rows=np.asarray(custom_rows, np.int64),
+        block_copies=_copies(batch),
+    )
     return plan, rows
 
 
@@ -234,8 +266,8 @@ class BlockTableBuffer:
             else:
                 if len(table) > self._array.shape[1]:
                     self._set_width(len(table))
-                self._array[i, :len(table)] = table
-                self._array[i, len(table):] = 0
+                self._array[i, : len(table)] = table
+                self._array[i, len(table) :] = 0
             lengths.append(len(table))
         if rows:
             if max(cols) >= self._array.shape[1]:
@@ -263,8 +295,13 @@ class BlockTableBuffer:
         np.minimum(self._length, width, out=self._length)
 
 
-def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
-                 context_lens: np.ndarray, arange: np.ndarray) -> tuple[StepPlan, PlanRows]:
+def _decode_plan(
+    batch: ScheduledBatch,
+    block_size: int,
+    tables: np.ndarray,
+    context_lens: np.ndarray,
+    arange: np.ndarray,
+) -> tuple[StepPlan, PlanRows]:
     """The common case, vectorized: every sequence computes its one newest token.
     arange: arange(len(seqs) + 1), int64."""
     seqs = batch.seqs
@@ -277,16 +314,24 @@ def _decode_plan(batch: ScheduledBatch, block_size: int, tables: np.ndarray,
     rows, logit_rows, custom_rows = _decode_rows(seqs, batch.has_special_rows, arange[:n])
     ids = batch.last_token_ids  # None: still on the device, where the runner takes them
     plan = StepPlan(
-        kind=StepKind.DECODE, input_ids=np.zeros(n, np.int64) if ids is None else np.array(ids, np.int64),
-        positions=positions.astype(np.int64), slot_mapping=slots,
-        query_start_loc=arange.astype(np.int32), context_lens=context_lens,
-        block_tables=tables, logit_rows=logit_rows, custom_rows=custom_rows,
-        block_copies=_copies(batch), ids_from_rank0=ids is None)
+        kind=StepKind.DECODE,
+        input_ids=np.zeros(n, np.int64) if ids is None else np.array(ids, np.int64),
+        positions=positions.astype(np.int64),
+        slot_mapping=slots,
+        query_start_loc=arange.astype(np.int32),
+        context_lens=context_lens,
+        block_tables=tables,
+        logit_rows=logit_rows,
+        custom_rows=custom_rows,
+        block_copies=_copies(batch),
+        ids_from_rank0=ids is None,
+    )
     return plan, rows
 
 
-def _decode_rows(seqs: list[Sequence], has_special_rows: bool,
-                 every_row: np.ndarray) -> tuple[PlanRows, np.ndarray, np.ndarray]:
+def _decode_rows(
+    seqs: list[Sequence], has_special_rows: bool, every_row: np.ndarray
+) -> tuple[PlanRows, np.ndarray, np.ndarray]:
     """Every row samples, except: a LAST_GENERATED sequence scoring its last token (its row
     goes to the handler), and a prompt whose last token alone is computed in this step (the
     rest came from the prefix cache): it may be the selected token (a custom row too), and a

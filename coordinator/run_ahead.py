@@ -16,13 +16,14 @@ dropped. Anything the arrays cannot schedule (a request to admit, a preemption, 
 row) drains the pipeline: the in-flight step is finished, and the next engine step takes
 the general pass. docs/async_scheduling.md has the whole contract.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from coordinator.scheduled_batch import ScheduledBatch
+from tapserve.coordinator.scheduled_batch import ScheduledBatch
 
 
 class PendingTokens:
@@ -44,15 +45,17 @@ class TokenCopies:
 
     def __init__(self, rows: int, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._buffers = [torch.empty(rows, dtype=torch.int64, pin_memory=self.cuda)
-                         for _ in range(2 if self.cuda else 0)]
+        self._buffers = [
+            torch.empty(rows, dtype=torch.int64, pin_memory=self.cuda)
+            for _ in range(2 if self.cuda else 0)
+        ]
         self._events = [torch.cuda.Event() for _ in self._buffers]
         self._turn = 0
 
     def start(self, tokens: torch.Tensor) -> PendingTokens:
         if not self.cuda:
             return PendingTokens(tokens, None)
-        host, ready = self._buffers[self._turn][:tokens.shape[0]], self._events[self._turn]
+        host, ready = self._buffers[self._turn][: tokens.shape[0]], self._events[self._turn]
         self._turn ^= 1
         host.copy_(tokens, non_blocking=True)
         ready.record()
@@ -62,6 +65,7 @@ class TokenCopies:
 @dataclass
 class AheadStep:
     """A launched decode step whose host work waits for the next step's launch."""
+
     batch: ScheduledBatch
     tokens: torch.Tensor  # int64 [rows] on the device: the next step's input ids
     pending: PendingTokens

@@ -5,6 +5,7 @@ exponential race (argmax p_i / E_i with E_i ~ Exp(1)); a seeded row draws its no
 own generator keyed by (seed, sample index, output length), so it yields the same tokens
 whatever else shares the batch. Logprobs are those of the raw model distribution.
 """
+
 from __future__ import annotations
 
 import random
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.sampling_params import SamplingParams
-from model.layers import HAS_TRITON
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.model.layers import HAS_TRITON
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
@@ -48,6 +49,7 @@ def draw_seed(seed: int, sample: int, position: int) -> int:
 @dataclass
 class SampleRow:
     """What the sampler needs to know about one row of logits."""
+
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far (a reference, not a copy)
     num_prompt_tokens: int
@@ -61,11 +63,11 @@ class SampleRow:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -90,17 +92,20 @@ class Sampler:
         keys = [(r, r.seed_key + k) for r in rows for k in range(r.num_samples)]
         if len(expand) != len(rows):
             logits = logits[torch.tensor(expand, device=logits.device)]
-        seeds = {i: draw_seed(r.params.seed, key, r.num_output_tokens)
-                 for i, (r, key) in enumerate(keys) if r.params.seed is not None}
+        seeds = {
+            i: draw_seed(r.params.seed, key, r.num_output_tokens)
+            for i, (r, key) in enumerate(keys)
+            if r.params.seed is not None
+        }
         chosen = self._choose(logits, [r.params for r, _ in keys], seeds)
         flat_ids = chosen.tolist()  # the step's one host sync
         lp, top = self._logprobs(raw, expand, chosen, rows, keys) if want_lp else (None, None)
         token_ids, logprobs, tops, j = [], [], [] if top else None, 0
         for r in rows:
-            token_ids.append(flat_ids[j:j + r.num_samples])
-            logprobs.append(lp[j:j + r.num_samples] if lp else [0.0] * r.num_samples)
+            token_ids.append(flat_ids[j : j + r.num_samples])
+            logprobs.append(lp[j : j + r.num_samples] if lp else [0.0] * r.num_samples)
             if top is not None:
-                tops.append(top[j:j + r.num_samples])
+                tops.append(top[j : j + r.num_samples])
             j += r.num_samples
         return SampleResult(token_ids, logprobs, tops)
 
@@ -145,7 +150,8 @@ class Sampler:
         Triton pass over the logits (model/kernels/sample.py), with no host sync; elsewhere
         the torch draw of _choose (softmax, exponential noise from the shared generator)."""
         if logits.is_cuda and HAS_TRITON:
-            from model.kernels.sample import gumbel_sample
+            from tapserve.model.kernels.sample import gumbel_sample
+
             return gumbel_sample(logits, temperatures, self._kernel_seeds.getrandbits(31))
         temps = to_device(temperatures, logits.device)[:, None]
         probs = (logits.float() / temps).softmax(dim=-1)
@@ -179,19 +185,24 @@ class Sampler:
     def _penalize(row_logits: torch.Tensor, row: SampleRow) -> None:
         p = row.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                                device=row_logits.device, dtype=torch.long)
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                device=row_logits.device,
+                dtype=torch.long,
+            )
             vals = row_logits[seen]
-            row_logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                           vals * p.repetition_penalty)
+            row_logits[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
             out = torch.tensor(row.output_token_ids, device=row_logits.device, dtype=torch.long)
             counts = torch.bincount(out, minlength=row_logits.shape[0]).to(row_logits.dtype)
             row_logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
     # ---- choice --------------------------------------------------------------------------------
-    def _choose(self, logits: torch.Tensor, params: list[SamplingParams],
-                seeds: dict[int, int]) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: dict[int, int]
+    ) -> torch.Tensor:
         """Row i's token under params[i]; a row in seeds draws its noise from its own
         generator seeded with seeds[i]."""
         greedy = [p.greedy for p in params]
@@ -236,8 +247,13 @@ class Sampler:
 
     # ---- logprobs --------------------------------------------------------------------------------
     @staticmethod
-    def _logprobs(raw: torch.Tensor, expand: list[int], chosen: torch.Tensor,
-                  rows: list[SampleRow], keys: list) -> tuple[list[float], list | None]:
+    def _logprobs(
+        raw: torch.Tensor,
+        expand: list[int],
+        chosen: torch.Tensor,
+        rows: list[SampleRow],
+        keys: list,
+    ) -> tuple[list[float], list | None]:
         if len(expand) != raw.shape[0]:
             raw = raw[torch.tensor(expand, device=raw.device)]
         logprobs = torch.log_softmax(raw, dim=-1)
@@ -247,6 +263,11 @@ class Sampler:
             return picked, None
         vals, ids = logprobs.topk(k, dim=-1)
         vals, ids = vals.tolist(), ids.tolist()
-        top = [[[t, v] for t, v in zip(ids[i][:r.params.top_logprobs], vals[i][:r.params.top_logprobs])]
-               for i, (r, _) in enumerate(keys)]
+        top = [
+            [
+                [t, v]
+                for t, v in zip(ids[i][: r.params.top_logprobs], vals[i][: r.params.top_logprobs])
+            ]
+            for i, (r, _) in enumerate(keys)
+        ]
         return picked, top

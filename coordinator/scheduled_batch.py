@@ -1,11 +1,12 @@
 """One step's batch as the scheduler hands it to the planner: its rows, in packed order."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.sequence import Request, Sequence
+from tapserve.coordinator.sequence import Request, Sequence
 
 
 def is_special_row(seq: Sequence) -> bool:
@@ -22,6 +23,7 @@ class ScheduledBatch:
     that a steady decode step's plan is built from them: the planner reads a sequence only
     when its block table changed, and every row only when has_special_rows says some row
     needs a closer look (mixed and prefill steps read every sequence)."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
@@ -56,8 +58,13 @@ class ScheduledBatch:
         """Every row a Request.single row, none special or partial, with no copies or
         preemptions: a batch whose next decode step may come from arrays (note_advanced)
         and that may run ahead of its sampling (coordinator/run_ahead.py)."""
-        return (self.all_single and not self.has_special_rows and not self.partial
-                and not self.block_copies and not self.preempted)
+        return (
+            self.all_single
+            and not self.has_special_rows
+            and not self.partial
+            and not self.block_copies
+            and not self.preempted
+        )
 
     def add(self, seq: Sequence, n: int) -> None:
         """Schedule n new tokens of seq (the running loop inlines this)."""
@@ -75,8 +82,13 @@ class ScheduledBatch:
         """Unschedule seq (preempted after it was scheduled); the flags are recomputed from
         the rows left (preemption is rare)."""
         i = self.seqs.index(seq)
-        for rows in (self.seqs, self.num_new_tokens, self.context_lens, self.last_token_ids,
-                     self.table_stamps):
+        for rows in (
+            self.seqs,
+            self.num_new_tokens,
+            self.context_lens,
+            self.last_token_ids,
+            self.table_stamps,
+        ):
             del rows[i]
         self.partial = any(n < s.num_tokens for s, n in zip(self.seqs, self.context_lens))
         self.has_special_rows = any(map(is_special_row, self.seqs))

@@ -13,6 +13,7 @@ gained exactly its sampled token, as the engine reports with `note_advanced`, an
 request that could be admitted) is scheduled from arrays kept across steps, without reading
 each sequence again; anything else takes the general pass.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.blocks import BlockManager
-from coordinator.scheduled_batch import ScheduledBatch, is_special_row
-from coordinator.sequence import LAST_GENERATED, Request, Sequence, SeqStatus
+from tapserve.coordinator.blocks import BlockManager
+from tapserve.coordinator.scheduled_batch import ScheduledBatch, is_special_row
+from tapserve.coordinator.sequence import LAST_GENERATED, Request, SeqStatus, Sequence
 
 
 @dataclass
@@ -55,8 +56,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         steady, self._steady = self._steady, None
         self._serial += 1
-        if steady is not None and steady.tokens is not None and not self._may_admit() \
-                and self.running == steady.seqs:
+        if (
+            steady is not None
+            and steady.tokens is not None
+            and not self._may_admit()
+            and self.running == steady.seqs
+        ):
             batch = self._schedule_steady(steady)
             if batch is not None:
                 return batch
@@ -73,9 +78,14 @@ class Scheduler:
         tokens None: they are still being sampled on the device; only schedule_ahead may
         schedule from the batch then (a sequence that finishes meanwhile leaves `running`)."""
         if batch.all_plain_rows:
-            self._steady = _SteadyRows(batch.seqs, np.array(batch.context_lens, np.int64),
-                                       batch.block_capacities, batch.table_stamps, tokens,
-                                       batch.serial)
+            self._steady = _SteadyRows(
+                batch.seqs,
+                np.array(batch.context_lens, np.int64),
+                batch.block_capacities,
+                batch.table_stamps,
+                tokens,
+                batch.serial,
+            )
 
     def schedule_ahead(self) -> tuple[ScheduledBatch, np.ndarray | None] | None:
         """The next decode step of the batch noted with note_advanced(batch, None), while
@@ -136,8 +146,12 @@ class Scheduler:
         # bound methods as locals: five appends per sequence per step (ScheduledBatch.add
         # inlined; partial comes from the budget test)
         add_seq, add_count, add_len, add_last, add_stamp = (
-            batch.seqs.append, batch.num_new_tokens.append, batch.context_lens.append,
-            batch.last_token_ids.append, batch.table_stamps.append)
+            batch.seqs.append,
+            batch.num_new_tokens.append,
+            batch.context_lens.append,
+            batch.last_token_ids.append,
+            batch.table_stamps.append,
+        )
         special, all_single = False, True
         for seq in list(self.running):  # a copy: preemption removes sequences from running
             if budget == 0:
@@ -149,8 +163,9 @@ class Scheduler:
             if seq.request.single:  # the usual case, blocks_to_append inlined: no fork shares
                 # its partly filled block, so it needs a block only when its tokens outgrow
                 # them (BlockManager._needs_new_block, without a call per sequence)
-                if num_tokens > len(seq.block_table) * block_size \
-                        and not self._reserve_block(seq, batch):
+                if num_tokens > len(seq.block_table) * block_size and not self._reserve_block(
+                    seq, batch
+                ):
                     continue
             elif seq.request.params.num_beams > 1 and seq.scoring_reason is None:
                 all_single = False
@@ -187,7 +202,7 @@ class Scheduler:
         batch.all_single &= all_single
         return budget
 
-    def _schedule_steady(self, steady: "_SteadyRows") -> ScheduledBatch | None:
+    def _schedule_steady(self, steady: _SteadyRows) -> ScheduledBatch | None:
         """The next decode step of steady.seqs (each one token further), or None when it
         would need the general pass (the token budget, or blocks running short, which may
         preempt)."""
@@ -216,11 +231,19 @@ class Scheduler:
             capacities[grow] += size
         self.num_steady_steps += 1
         # a grown row's new block holds its newest token, at (context_len - 1) // size
-        return ScheduledBatch(list(seqs), [1] * n, context_lens.tolist(), steady.tokens, stamps,
-                              block_capacities=capacities,
-                              serial=self._serial, follows=steady.serial, grown_rows=grow,
-                              grown_cols=(context_lens[grow] - 1) // size,
-                              grown_blocks=np.array(new_blocks, np.int64))
+        return ScheduledBatch(
+            list(seqs),
+            [1] * n,
+            context_lens.tolist(),
+            steady.tokens,
+            stamps,
+            block_capacities=capacities,
+            serial=self._serial,
+            follows=steady.serial,
+            grown_rows=grow,
+            grown_cols=(context_lens[grow] - 1) // size,
+            grown_blocks=np.array(new_blocks, np.int64),
+        )
 
     def _group(self, seq: Sequence) -> list[Sequence]:
         """The running sequences that advance (and are preempted) together with seq: all
@@ -236,8 +259,9 @@ class Scheduler:
             return []
         return [s for s in self.running if s.request is request and s.scoring_reason is not None]
 
-    def _schedule_forks(self, forks: list[Sequence], batch: ScheduledBatch,
-                        budget: int) -> tuple[int, bool]:
+    def _schedule_forks(
+        self, forks: list[Sequence], batch: ScheduledBatch, budget: int
+    ) -> tuple[int, bool]:
         """Schedule a beam request's scoring forks (one token each) before its beams; whether
         all of them were. The beams advance only then: a step that left its forks out while
         its beams finished more hypotheses would fork again, past Request.max_rows."""
@@ -325,8 +349,9 @@ class Scheduler:
         its widest step (Request.max_rows), so that its forks never take a batch past
         max_num_seqs (the decode workspace and graphs are sized for it)."""
         need = len(seqs) if request.forked and request.params.num_beams == 1 else request.max_rows
-        return (self._rows_held() + need <= self.config.max_num_seqs
-                and self._can_allocate(seqs, request))
+        return self._rows_held() + need <= self.config.max_num_seqs and self._can_allocate(
+            seqs, request
+        )
 
     def _rows_held(self) -> int:
         """The running sequences, and the rows their requests may still fork into."""
@@ -363,6 +388,7 @@ class _SteadyRows:
     """A decode batch carried to the next step (Scheduler.note_advanced): its rows'
     sequences, context lengths and table stamps as scheduled, the tokens sampled since,
     and the rows' block capacities in tokens (filled on first use)."""
+
     seqs: list[Sequence]
     context_lens: np.ndarray  # int64
     capacities: np.ndarray | None
@@ -370,10 +396,13 @@ class _SteadyRows:
     tokens: list[int] | None  # None: still on the device (Scheduler.schedule_ahead)
     serial: int  # the batch's ScheduledBatch.serial
 
-    def subset(self, rows: np.ndarray) -> "_SteadyRows":
+    def subset(self, rows: np.ndarray) -> _SteadyRows:
         """These rows alone (int64 indices, in order)."""
-        return _SteadyRows([self.seqs[i] for i in rows.tolist()], self.context_lens[rows],
-                           None if self.capacities is None else self.capacities[rows],
-                           [self.stamps[i] for i in rows.tolist()],
-                           None if self.tokens is None else [self.tokens[i] for i in rows.tolist()],
-                           self.serial)
+        return _SteadyRows(
+            [self.seqs[i] for i in rows.tolist()],
+            self.context_lens[rows],
+            None if self.capacities is None else self.capacities[rows],
+            [self.stamps[i] for i in rows.tolist()],
+            None if self.tokens is None else [self.tokens[i] for i in rows.tolist()],
+            self.serial,
+        )

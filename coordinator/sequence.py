@@ -3,14 +3,15 @@
 A request starts with one sequence (its prompt). After the prompt's prefill it forks into
 `n` samples or `num_beams` beams that share the prompt's KV blocks.
 """
+
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from itertools import count
 
-from coordinator.sampling_params import SamplingParams
-from model.custom_output import CustomOutputHandler
+from tapserve.api.sampling_params import SamplingParams
+from tapserve.model.custom_output import CustomOutputHandler
 
 LAST_GENERATED = CustomOutputHandler.LAST_GENERATED  # each sequence's last generated token
 
@@ -24,7 +25,7 @@ class SeqStatus(enum.Enum):
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
-    request: "Request"
+    request: Request
     token_ids: list[int]
     num_prompt_tokens: int
     index: int = 0  # which of the request's n samples / beams
@@ -59,7 +60,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -90,7 +91,9 @@ class Request:
     # an n > 1 request is "" until its prompt forked into its samples
     batch_draw: str = ""
     single: bool = False  # one sequence for good: n = 1, no beams, no engine stop strings
-    watch_stop_strings: bool = False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
+    watch_stop_strings: bool = (
+        False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
+    )
     token_columns: bool = False  # its plain decode news may travel in wire.Outputs' columns
     # its decode steps may run ahead of their sampling (coordinator/run_ahead.py): token
     # columns, a batch draw (greedy, temperature or plain), no LAST_GENERATED scoring
@@ -129,18 +132,26 @@ class SequenceFactory:
         self._ids = count()
 
     def prompt_sequence(self, request: Request) -> Sequence:
-        seq = Sequence(next(self._ids), request, list(request.prompt_token_ids),
-                       len(request.prompt_token_ids))
+        seq = Sequence(
+            next(self._ids), request, list(request.prompt_token_ids), len(request.prompt_token_ids)
+        )
         request.sequences.append(seq)
         return seq
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         """A copy of parent's state (tokens, logprobs); blocks are shared by the block manager."""
-        child = Sequence(next(self._ids), parent.request, list(parent.token_ids),
-                         parent.num_prompt_tokens, index=index, status=parent.status,
-                         num_computed_tokens=parent.num_computed_tokens,
-                         num_hashed_blocks=parent.num_hashed_blocks,
-                         cumulative_logprob=parent.cumulative_logprob,
-                         logprobs=list(parent.logprobs), top_logprobs=list(parent.top_logprobs),
-                         num_emitted_tokens=parent.num_emitted_tokens)
+        child = Sequence(
+            next(self._ids),
+            parent.request,
+            list(parent.token_ids),
+            parent.num_prompt_tokens,
+            index=index,
+            status=parent.status,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_hashed_blocks=parent.num_hashed_blocks,
+            cumulative_logprob=parent.cumulative_logprob,
+            logprobs=list(parent.logprobs),
+            top_logprobs=list(parent.top_logprobs),
+            num_emitted_tokens=parent.num_emitted_tokens,
+        )
         return child

@@ -8,21 +8,26 @@ the same token. The sequence is then truncated to its kept tokens and finishes w
 its last kept token scored in the next step; the API waits for that final output
 (`RequestOutput.engine_stop_strings`).
 """
+
 from __future__ import annotations
 
-from api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker, prompt_context
-from coordinator.custom_outputs import LAST_GENERATED
-from coordinator.sequence import Request, Sequence
+from tapserve.api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker, prompt_context
+from tapserve.coordinator.custom_outputs import LAST_GENERATED
+from tapserve.coordinator.sequence import Request, Sequence
 
 
 def watches_stop_strings(request: Request, decoder: Decoder | None) -> bool:
     """Whether rank 0 must detect this request's stop strings (see the module docstring)."""
-    return (decoder is not None and bool(request.params.stop)
-            and request.custom_position == LAST_GENERATED)
+    return (
+        decoder is not None
+        and bool(request.params.stop)
+        and request.custom_position == LAST_GENERATED
+    )
 
 
-def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False,
-                       left_out: int = 0) -> int | None:
+def kept_output_tokens(
+    seq: Sequence, decoder: Decoder, final: bool = False, left_out: int = 0
+) -> int | None:
     """Feed seq's new output tokens to its detokenizer; once a stop string matched, the number
     of output tokens to keep, else None. final: the sequence ends here (length, EOS), so the
     characters held for completion are flushed and checked too, as the API does. left_out: the
@@ -31,10 +36,13 @@ def kept_output_tokens(seq: Sequence, decoder: Decoder, final: bool = False,
     if detok is None:  # first call, or a fresh fork: start from all of its output so far
         p = seq.request.params
         detok = seq.stop_detokenizer = IncrementalDetokenizer(
-            decoder, seq.token_ids[:seq.num_prompt_tokens], p.skip_special_tokens,
-            StopChecker(p.stop, p.include_stop_str_in_output, p.min_tokens))
+            decoder,
+            seq.token_ids[: seq.num_prompt_tokens],
+            p.skip_special_tokens,
+            StopChecker(p.stop, p.include_stop_str_in_output, p.min_tokens),
+        )
     end = len(seq.token_ids) - left_out
-    detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens:end])
+    detok.add_tokens(seq.token_ids[seq.num_prompt_tokens + detok.num_tokens : end])
     if final:
         detok.finish()
     if not detok.stopped:
@@ -50,8 +58,9 @@ def _fewest_tokens_for(seq: Sequence, decoder: Decoder, kept_text: str, upper: i
     context = prompt_context(decoder, seq.token_ids[:p])  # as the detokenizer's window
     skipped = len(decoder.decode(context, skip))
     k = upper
-    while k > 0 and decoder.decode(context + seq.token_ids[p:p + k - 1], skip)[skipped:] \
-            .startswith(kept_text):
+    while k > 0 and decoder.decode(context + seq.token_ids[p : p + k - 1], skip)[
+        skipped:
+    ].startswith(kept_text):
         k -= 1
     return k
 
@@ -60,7 +69,7 @@ def truncate_output(seq: Sequence, kept: int) -> None:
     """Drop output tokens after the first `kept` (> 0), and their logprobs. The last kept token
     is computed again in the scoring step (a decode row at its own position): its KV is
     rewritten in its own slot, copy-on-write if the block is shared."""
-    del seq.token_ids[seq.num_prompt_tokens + kept:]
+    del seq.token_ids[seq.num_prompt_tokens + kept :]
     del seq.logprobs[kept:]
     del seq.top_logprobs[kept:]
     seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)

@@ -4,16 +4,17 @@
 A step of B sequences replays the smallest bucket >= B: real rows are copied into the static
 buffers, padded rows get slot -1 (their KV writes go nowhere) and a 1-token context.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from model.attention import AttentionMetadata
-from model.decoder import CausalLM, ForwardContext
-from ranks.plan import StepPlan
+from tapserve.model.attention import AttentionMetadata
+from tapserve.model.decoder import CausalLM, ForwardContext
+from tapserve.ranks.plan import StepPlan
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -23,8 +24,14 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_caches: list, max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
@@ -47,9 +54,12 @@ class DecodeGraphs:
 
     def _context(self, b: int) -> ForwardContext:
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
-            context_lens=self.context_lens[:b], block_tables=self.block_tables[:b],
-            is_decode=True)
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            context_lens=self.context_lens[:b],
+            block_tables=self.block_tables[:b],
+            is_decode=True,
+        )
         return ForwardContext(self.positions[:b], meta, self.kv_caches)
 
     @torch.inference_mode()

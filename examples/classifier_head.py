@@ -13,6 +13,7 @@ For every request it classifies one prompt token (the last by default, or
 `custom_output_params["position"]`) and returns softmax probabilities: [rows, classes]
 float32, so each response carries `[[p0, p1, p2, p3]]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 try:
-    from model.custom_output import CustomOutputHandler
+    from tapserve.model.custom_output import CustomOutputHandler
 except ImportError:  # run as a script to write the weights file: no handler is built then
     CustomOutputHandler = object
 
@@ -41,8 +42,10 @@ class ClassifierHead(CustomOutputHandler):
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         self.weight, self.bias = tensors[WEIGHT].float(), tensors[BIAS].float()
         if self.weight.dim() != 2 or self.bias.shape != self.weight.shape[:1]:
-            raise ValueError(f"classifier weights of shapes {tuple(self.weight.shape)} and "
-                             f"{tuple(self.bias.shape)} do not fit [classes, hidden] + [classes]")
+            raise ValueError(
+                f"classifier weights of shapes {tuple(self.weight.shape)} and "
+                f"{tuple(self.bias.shape)} do not fit [classes, hidden] + [classes]"
+            )
 
     def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] (model dtype) -> [rows, classes] float32 probabilities."""
@@ -50,17 +53,24 @@ class ClassifierHead(CustomOutputHandler):
         return torch.softmax(logits, dim=-1)
 
 
-def make_weights(hidden_size: int, num_classes: int = len(LABELS), seed: int = 0) -> dict[str, torch.Tensor]:
+def make_weights(
+    hidden_size: int, num_classes: int = len(LABELS), seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Deterministic weights for a hidden size (same bytes on every machine)."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(num_classes, hidden_size, generator=gen, dtype=torch.float32)
     bias = torch.randn(num_classes, generator=gen, dtype=torch.float32) * 0.1
-    return {WEIGHT: weight / hidden_size ** 0.5, BIAS: bias}
+    return {WEIGHT: weight / hidden_size**0.5, BIAS: bias}
 
 
-def write_weights(path: str | Path = WEIGHTS_FILE, hidden_size: int = 64,
-                  num_classes: int = len(LABELS), seed: int = 0) -> Path:
+def write_weights(
+    path: str | Path = WEIGHTS_FILE,
+    hidden_size: int = 64,
+    num_classes: int = len(LABELS),
+    seed: int = 0,
+) -> Path:
     from safetensors.torch import save_file
+
     path = Path(path)
     save_file(make_weights(hidden_size, num_classes, seed), str(path), metadata={"format": "pt"})
     return path

@@ -8,11 +8,12 @@ name on rank 0. For every request it scores one prompt token: the last one by de
 `custom_output_params["position"]` (a zero-based index into the templated prompt's token
 ids; -1 asks for no score). The output is one float32 per request: shape [rows].
 """
+
 from __future__ import annotations
 
 import torch
 
-from model.custom_output import CustomOutputHandler
+from tapserve.model.custom_output import CustomOutputHandler
 
 WEIGHT, BIAS = "reward_head.weight", "reward_head.bias"
 

@@ -27,6 +27,7 @@ symm_mem all-reduces too). TPGroup holds the communicator, so buffer and handle 
 Set-up is collective, on every rank before any capture: check the op, allocate, rendezvous,
 self-test; the ranks agree after each step, and a failure anywhere leaves every rank on NCCL.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.layers import TPGroup
+from tapserve.model.layers import TPGroup
 
 log = logging.getLogger("tapserve.allreduce")
 
@@ -100,9 +101,12 @@ class SymmMemAllReduce:
 
     def eligible(self, x: torch.Tensor) -> bool:
         """Same answer on every rank for the same shape and dtype (no data-dependent test)."""
-        return (self._fits(x.numel() * x.element_size(), x.dtype)
-                and x.device == self.buffer.device and x.is_contiguous()
-                and x.storage_offset() * x.element_size() % ALIGN == 0)
+        return (
+            self._fits(x.numel() * x.element_size(), x.dtype)
+            and x.device == self.buffer.device
+            and x.is_contiguous()
+            and x.storage_offset() * x.element_size() % ALIGN == 0
+        )
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of this shape over the start of the symmetric buffer, for a producer to
@@ -151,8 +155,9 @@ class SymmMemAllReduce:
         torch.cuda.synchronize(self.buffer.device)
 
     @classmethod
-    def create(cls, group: Any, device: torch.device, max_bytes: int,
-               fused: bool = False) -> SymmMemAllReduce | None:
+    def create(
+        cls, group: Any, device: torch.device, max_bytes: int, fused: bool = False
+    ) -> SymmMemAllReduce | None:
         """Collective over `group` (a NCCL ProcessGroup): every rank calls it with the same
         arguments, before any CUDA-graph capture. None on every rank if any rank fails."""
         max_bytes = -(-max_bytes // ALIGN) * ALIGN
@@ -161,6 +166,7 @@ class SymmMemAllReduce:
 
         def check_and_allocate() -> None:
             import torch.distributed._symmetric_memory as symm_mem
+
             state["symm_mem"] = symm_mem
             name, args = _FUSED if fused else _STAGED
             if not _op_matches(name, args):
@@ -192,12 +198,18 @@ class SymmMemAllReduce:
                 try:
                     step()
                 except Exception as e:  # noqa: BLE001 - any failure: NCCL on every rank
-                    log.warning("symmetric-memory all-reduce: %s failed on rank %d: %s",
-                                step.__name__, rank, e)
+                    log.warning(
+                        "symmetric-memory all-reduce: %s failed on rank %d: %s",
+                        step.__name__,
+                        rank,
+                        e,
+                    )
                     ok = False
                 if not _all_ranks_ok(ok, group, device):
-                    log.warning("symmetric-memory all-reduce off (%s failed on some rank); "
-                                "using NCCL", step.__name__)
+                    log.warning(
+                        "symmetric-memory all-reduce off (%s failed on some rank); using NCCL",
+                        step.__name__,
+                    )
                     return None
         comm = state["comm"]
         if rank == 0:
@@ -205,8 +217,14 @@ class SymmMemAllReduce:
         return comm
 
 
-def with_one_shot_all_reduce(tp: TPGroup, mode: str, device: torch.device, dtype: torch.dtype,
-                             message_bytes: int, cap: int = DEFAULT_MAX_BYTES) -> TPGroup:
+def with_one_shot_all_reduce(
+    tp: TPGroup,
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    message_bytes: int,
+    cap: int = DEFAULT_MAX_BYTES,
+) -> TPGroup:
     """tp, with the one-shot all-reduce for messages up to min(message_bytes, cap) attached
     when mode is "symm" / "symm_fused" / "auto" (= "symm") and it sets up on every rank;
     otherwise tp unchanged (a warning where an explicit mode does not apply; "auto" says
@@ -215,10 +233,13 @@ def with_one_shot_all_reduce(tp: TPGroup, mode: str, device: torch.device, dtype
         raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "nccl" or tp.size == 1:
         return tp
-    reason = (f"needs CUDA and bfloat16 or float32, not {device.type} {dtype}"
-              if device.type != "cuda" or dtype not in DTYPES else
-              "the TP group spans hosts (peer memory is per host)"  # same answer on all ranks
-              if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) != tp.size else None)
+    reason = (
+        f"needs CUDA and bfloat16 or float32, not {device.type} {dtype}"
+        if device.type != "cuda" or dtype not in DTYPES
+        else "the TP group spans hosts (peer memory is per host)"  # same answer on all ranks
+        if int(os.environ.get("LOCAL_WORLD_SIZE", tp.size)) != tp.size
+        else None
+    )
     if reason:
         if mode != "auto":
             log.warning("%s=%s ignored: %s", ENV, mode, reason)

@@ -5,6 +5,7 @@ head_dim]. Token t of a sequence lives in block block_table[t // block_size] at 
 t % block_size; its flat slot is block * block_size + offset. A slot of -1 writes nowhere
 (padded rows of a CUDA graph).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ class AttentionMetadata:
     query_start_loc[i]:query_start_loc[i+1]; those are its last query_len tokens, so its
     cached prefix is context_lens[i] - query_len tokens long.
     """
+
     slot_mapping: torch.Tensor  # [T] int64
     query_start_loc: torch.Tensor  # [B+1] int32
     context_lens: torch.Tensor  # [B] int32, prefix + new tokens
@@ -35,8 +37,13 @@ class AttentionMetadata:
     backend_state: dict[object, object] = field(default_factory=dict)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write k, v [T, kv_heads, head_dim] into their slots; rows with slot -1 are skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
@@ -44,8 +51,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[valid])
 
 
-def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of q [T, heads, head_dim] over each sequence's cached K/V (which
     already holds this step's keys). Plain torch, one sequence at a time."""
     out = torch.empty_like(q)
@@ -64,7 +76,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [Lq, H, D] are the last Lq of the Lk positions in k/v [Lk, Hkv, D]."""
     q_len, k_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -73,5 +87,6 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
     mask = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    )
     return out.transpose(0, 1)

@@ -3,6 +3,7 @@
 Both checkpoint formats load: transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`)
 and transformers 5 (`rope_parameters`, `dtype`).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,18 +49,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
             raise ValueError(f"unknown architecture {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"config field {name} must be an integer, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"config field {name} must be an integer, got {getattr(self, name)!r}"
+                )
             if getattr(self, name) <= 0:
                 raise ValueError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
-    def from_dict(cls, raw: dict, generation_config: dict | None = None) -> "ModelConfig":
+    def from_dict(cls, raw: dict, generation_config: dict | None = None) -> ModelConfig:
         """The config of a checkpoint's config.json; a ValueError for anything it asks that
         is not served (architecture, activation, rope scaling, sliding windows) or lacks."""
         try:
@@ -70,22 +80,30 @@ class ModelConfig:
             raise ValueError(f"config.json has a field of the wrong type ({e})") from None
 
     @classmethod
-    def _from_dict(cls, raw: dict, generation_config: dict | None) -> "ModelConfig":
+    def _from_dict(cls, raw: dict, generation_config: dict | None) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
+        )
         if arch is None:
-            raise ValueError(f"unknown architecture: config.json \"architectures\" is {archs!r}; "
-                             f"supported are {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f'unknown architecture: config.json "architectures" is {archs!r}; '
+                f"supported are {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         rope_params = dict(raw.get("rope_parameters") or {})  # transformers 5
         rope_theta = rope_params.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
-        rope_scaling = _rope_scaling(raw.get("rope_scaling") or (rope_params if rope_params else None))
+        rope_scaling = _rope_scaling(
+            raw.get("rope_scaling") or (rope_params if rope_params else None)
+        )
         num_heads = raw["num_attention_heads"]
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' names for SiLU, the only one here
             raise ValueError(f"config.json hidden_act {act!r} is not supported (only silu)")
         _refuse_sliding_window(raw)
         attention_bias = _flag(raw, "attention_bias")
-        eos = _as_list(raw.get("eos_token_id")) + _as_list((generation_config or {}).get("eos_token_id"))
+        eos = _as_list(raw.get("eos_token_id")) + _as_list(
+            (generation_config or {}).get("eos_token_id")
+        )
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -110,7 +128,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -132,8 +150,11 @@ def _flag(raw: dict, name: str) -> bool:
 
 
 def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0 < value < float("inf"):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
         raise ValueError(f"config field {name} must be a finite positive number, got {value!r}")
     return float(value)
 
@@ -150,8 +171,9 @@ def _rope_scaling(scaling: dict | None) -> dict | None:
     if kind == "default":
         return None
     if kind not in ROPE_SCALING_FIELDS:
-        raise ValueError(f"unsupported rope_scaling type {kind!r} "
-                         f"(supported: {', '.join(ROPE_SCALING_FIELDS)})")
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_SCALING_FIELDS)})"
+        )
     missing = [f for f in ROPE_SCALING_FIELDS[kind] if not isinstance(scaling.get(f), (int, float))]
     if missing:
         raise ValueError(f"config.json {kind} rope scaling lacks a number for {', '.join(missing)}")
@@ -167,11 +189,16 @@ def _refuse_sliding_window(raw: dict) -> None:
     if raw.get("layer_types") is not None:
         sliding = "sliding_attention" in raw["layer_types"]
     else:
-        sliding = bool(raw.get("use_sliding_window")) and window is not None \
+        sliding = (
+            bool(raw.get("use_sliding_window"))
+            and window is not None
             and raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
+        )
     if sliding and (window is None or window < raw.get("max_position_embeddings", 4096)):
-        raise ValueError(f"config.json asks for sliding-window attention (window {window}), "
-                         "which is not supported")
+        raise ValueError(
+            f"config.json asks for sliding-window attention (window {window}), "
+            "which is not supported"
+        )
 
 
 def read_json(path: Path) -> Any:

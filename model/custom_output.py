@@ -5,20 +5,27 @@ A deployment module (`--custom-module path/to/file.py[:Class]` or `package.modul
 a class built with no arguments, once, on rank 0 only. It may subclass CustomOutputHandler or
 just define the methods (duck typing).
 """
+
 from __future__ import annotations
 
 import abc
 import importlib
 import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-ALLOWED_DTYPES = {torch.float32: "float32", torch.float16: "float16",
-                  torch.bfloat16: "bfloat16", torch.int32: "int32"}
+ALLOWED_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+}
 
 
 class CustomOutputHandler(abc.ABC):
@@ -73,15 +80,21 @@ def check_output(out: object, rows: int) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise CustomOutputError(f"forward returned {type(out).__name__}, expected a torch.Tensor")
     if out.dtype not in ALLOWED_DTYPES:
-        raise CustomOutputError(f"dtype {out.dtype} not allowed (float32, float16, bfloat16, int32)")
+        raise CustomOutputError(
+            f"dtype {out.dtype} not allowed (float32, float16, bfloat16, int32)"
+        )
     if out.dim() not in (1, 2) or out.numel() == 0:
-        raise CustomOutputError(f"shape {tuple(out.shape)} must be nonempty [rows] or [rows, width]")
+        raise CustomOutputError(
+            f"shape {tuple(out.shape)} must be nonempty [rows] or [rows, width]"
+        )
     if out.shape[0] != rows:
         raise CustomOutputError(f"returned {out.shape[0]} rows for {rows} selected tokens")
     row_bytes = out[0].numel() * out.element_size()
     if row_bytes > MAX_ROW_BYTES:
-        raise CustomOutputError(f"a row of {row_bytes} bytes is over the {MAX_ROW_BYTES} byte "
-                                f"limit per request ({tuple(out.shape)} {out.dtype})")
+        raise CustomOutputError(
+            f"a row of {row_bytes} bytes is over the {MAX_ROW_BYTES} byte "
+            f"limit per request ({tuple(out.shape)} {out.dtype})"
+        )
     return out
 
 
@@ -136,18 +149,31 @@ def load_handler_class(spec: str) -> type:
         with startup_step(f"cannot load custom module {path}"):
             mod_spec.loader.exec_module(module)
     else:
+        importable_from_cwd()
         with startup_step(f"cannot import custom module {target!r}"):  # ImportError too
             module = importlib.import_module(target)
     if class_name:
         if not hasattr(module, class_name):
             raise HandlerLoadError(f"{target} has no class {class_name!r}")
         return getattr(module, class_name)
-    found = [c for _, c in inspect.getmembers(module, inspect.isclass)
-             if c.__module__ == module.__name__ and _looks_like_handler(c)]
+    found = [
+        c
+        for _, c in inspect.getmembers(module, inspect.isclass)
+        if c.__module__ == module.__name__ and _looks_like_handler(c)
+    ]
     if len(found) != 1:
-        raise HandlerLoadError(f"{target}: name the handler class as {target}:Class "
-                               f"(found {[c.__name__ for c in found]})")
+        raise HandlerLoadError(
+            f"{target}: name the handler class as {target}:Class "
+            f"(found {[c.__name__ for c in found]})"
+        )
     return found[0]
+
+
+def importable_from_cwd() -> None:
+    """A dotted `--custom-module` resolves from the current directory under every launcher,
+    as under `python -m` (the `tapserve` command and torchrun's ranks start elsewhere)."""
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 def check_handler_spec(spec: str) -> None:
@@ -160,6 +186,7 @@ def check_handler_spec(spec: str) -> None:
             raise HandlerLoadError(f"custom module file not found: {target}")
         return
     top = target.split(".")[0]  # (finding a submodule would run its packages' __init__)
+    importable_from_cwd()
     try:
         found = bool(top) and importlib.util.find_spec(top) is not None
     except (ImportError, ValueError):
@@ -169,8 +196,9 @@ def check_handler_spec(spec: str) -> None:
 
 
 def _looks_like_handler(cls: type) -> bool:
-    return callable(getattr(cls, "select_token_position", None)) and \
-        callable(getattr(cls, "forward", None))
+    return callable(getattr(cls, "select_token_position", None)) and callable(
+        getattr(cls, "forward", None)
+    )
 
 
 def module_weights_file(spec: str) -> Path | None:

@@ -1,22 +1,33 @@
 """The decoder-only transformer shared by Qwen3, Qwen2 and Llama; their differences are config
 (Qwen3: q/k RMSNorm per head; Qwen2: bias on q/k/v; Llama-3: rope scaling; attention_bias
 and mlp_bias as transformers applies them)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn
 
-from model.attention import AttentionMetadata, reference_attention, store_kv
-from model.config import ModelConfig
-from model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                          RowParallelLinear, SiluAndMul, TPGroup, VocabParallelEmbedding,
-                          split_evenly)
-from model.rotary import RotaryEmbedding, rotary_into_cache, rotary_with_qk_norm
+from tapserve.model.attention import AttentionMetadata, reference_attention, store_kv
+from tapserve.model.config import ModelConfig
+from tapserve.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    TPGroup,
+    VocabParallelEmbedding,
+    split_evenly,
+)
+from tapserve.model.rotary import RotaryEmbedding, rotary_into_cache, rotary_with_qk_norm
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+AttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
+]
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -26,6 +37,7 @@ class AttentionBackend:
     store_in_rotary: the store may instead be done by the rotary kernel, where it applies
     (`model.rotary.rotary_into_cache`, which writes as `model.attention.store_kv` does); a
     backend whose store does anything else (quantises, records) must leave it False."""
+
     store: StoreFn = store_kv
     extend: AttentionFn = reference_attention
     decode: AttentionFn = reference_attention
@@ -36,26 +48,35 @@ class AttentionBackend:
 class ForwardContext:
     """Passed explicitly down the model for one step: positions, paged-attention metadata and
     the per-layer KV caches."""
+
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend,
-                 rotary: RotaryEmbedding):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding
+    ):
         super().__init__()
         self.backend = backend
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, tp, bias=cfg.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            tp,
+            bias=cfg.attention_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp,
-                                        bias=cfg.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp, bias=cfg.o_proj_bias
+        )
         self.rotary = rotary  # one table shared by every layer
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -69,14 +90,30 @@ class Attention(nn.Module):
         out = attend(q, k_cache, v_cache, ctx.attn, self.scale)
         return self.o_proj(out.flatten(1))
 
-    def _rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          ctx: ForwardContext) -> torch.Tensor:
+    def _rotate_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
         """Rotary (after q/k norm) on q and k, and k, v into the cache; returns q."""
         slots = ctx.attn.slot_mapping
         if self.backend.store_in_rotary:
-            q_rot = rotary_into_cache(self.rotary, ctx.positions, q, k, v, self.q_norm,
-                                      self.k_norm, k_cache, v_cache, slots)
+            q_rot = rotary_into_cache(
+                self.rotary,
+                ctx.positions,
+                q,
+                k,
+                v,
+                self.q_norm,
+                self.k_norm,
+                k_cache,
+                v_cache,
+                slots,
+            )
             if q_rot is not None:
                 return q_rot
         if self.q_norm is not None:
@@ -92,9 +129,11 @@ class MLP(nn.Module):
         super().__init__()
         split_evenly(cfg.intermediate_size, tp.size, "intermediate_size")  # names the field
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp,
-                                           bias=cfg.mlp_bias)
+            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +141,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend,
-                 rotary: RotaryEmbedding):
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend, rotary: RotaryEmbedding
+    ):
         super().__init__()
         self.self_attn = Attention(cfg, tp, backend, rotary)
         self.mlp = MLP(cfg, tp)
@@ -126,20 +166,33 @@ class CausalLM(nn.Module):
 
     # HF checkpoint name fragment -> (our parameter name fragment, shard id)
     packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, backend: AttentionBackend | None = None,
-                 max_positions: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        backend: AttentionBackend | None = None,
+        max_positions: int | None = None,
+    ):
         super().__init__()
         backend = backend or AttentionBackend()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(
+            cfg.head_dim,
+            max_positions or cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp, backend, rotary)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, backend, rotary) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:

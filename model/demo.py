@@ -20,6 +20,7 @@ every machine with the same torch/tokenizers), in well under five seconds:
 Weights use `spread_init`, not transformers' N(0, 0.02): every sub-layer then
 moves the residual stream, so attention / KV-cache bugs change greedy tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
-from model.custom_output import CustomOutputHandler
+from tapserve.model.custom_output import CustomOutputHandler
 
 if TYPE_CHECKING:
     import tokenizers
@@ -42,8 +43,13 @@ DEMO_VERSION = "demo-v1"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 DEMO_VOCAB_SIZE = 1024
 DEMO_HEAD_NAMES = ("demo_head.weight", "demo_head.bias")
-REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors",
-                  "tokenizer.json", "tokenizer_config.json")
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -109,7 +115,7 @@ def corpus_lines() -> list[str]:
     return lines
 
 
-def train_tokenizer() -> "tokenizers.Tokenizer":
+def train_tokenizer() -> tokenizers.Tokenizer:
     """Train the demo byte-level BPE: 1021 learned tokens, then the 3 special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -118,13 +124,17 @@ def train_tokenizer() -> "tokenizers.Tokenizer":
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=DEMO_VOCAB_SIZE - len(SPECIAL_TOKENS), min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=DEMO_VOCAB_SIZE - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus_lines(), trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     if tok.get_vocab_size() != DEMO_VOCAB_SIZE:
-        raise RuntimeError(f"demo tokenizer has {tok.get_vocab_size()} tokens, "
-                           f"expected {DEMO_VOCAB_SIZE}")
+        raise RuntimeError(
+            f"demo tokenizer has {tok.get_vocab_size()} tokens, expected {DEMO_VOCAB_SIZE}"
+        )
     return tok
 
 
@@ -134,9 +144,16 @@ def tokenizer_config_dict(ids: dict[str, int]) -> dict:
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
-            str(ids[t]): {"content": t, "lstrip": False, "normalized": False,
-                          "rstrip": False, "single_word": False, "special": True}
-            for t in SPECIAL_TOKENS},
+            str(ids[t]): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t in SPECIAL_TOKENS
+        },
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -152,16 +169,31 @@ def tokenizer_config_dict(ids: dict[str, int]) -> dict:
 def model_config_dict(vocab_size: int, eos_id: int, pad_id: int) -> dict:
     """config.json content: tiny Qwen3, transformers-5 fields + top-level rope_theta."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 2048, "attention_bias": False, "attention_dropout": 0.0,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
         "rope_theta": 1000000.0,
         "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-        "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
-        "max_window_layers": 2, "initializer_range": 0.02, "use_cache": True,
-        "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
         "dtype": "float32",
     }
 
@@ -189,13 +221,21 @@ def qwen3_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "self_attn.q_norm.weight": (d,),
+                p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     shapes["model.norm.weight"] = (h,)
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
@@ -223,14 +263,24 @@ def write_demo_checkpoint(folder: Path) -> None:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     tok.save(str(folder / "tokenizer.json"), pretty=True)
     _write_json(folder / "tokenizer_config.json", tokenizer_config_dict(ids))
-    _write_json(folder / "special_tokens_map.json", {
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    _write_json(
+        folder / "special_tokens_map.json",
+        {
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        },
+    )
     cfg = model_config_dict(tok.get_vocab_size(), ids["<|im_end|>"], ids["<|endoftext|>"])
     _write_json(folder / "config.json", cfg)
-    _write_json(folder / "generation_config.json", {
-        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"], "bos_token_id": None})
+    _write_json(
+        folder / "generation_config.json",
+        {
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "pad_token_id": ids["<|endoftext|>"],
+            "bos_token_id": None,
+        },
+    )
     save_file(build_weights(cfg), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -294,4 +344,5 @@ class DemoHead(CustomOutputHandler):
         if self.weight is None or self.bias is None:
             raise RuntimeError("DemoHead.forward called before load_weights")
         return torch.nn.functional.linear(
-            selected_hidden_states.float(), self.weight.float(), self.bias.float())
+            selected_hidden_states.float(), self.weight.float(), self.bias.float()
+        )

@@ -3,6 +3,7 @@
 Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
 rank's slice of a full checkpoint tensor. With tp_size = 1 the slice is the whole tensor.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.kernels import GEMV_MAX_ROWS as GEMV_MAX_ROWS_LIMIT  # needs no Triton
+from tapserve.model.kernels import GEMV_MAX_ROWS as GEMV_MAX_ROWS_LIMIT  # needs no Triton
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class TPGroup:
     one_shot: the symmetric-memory all-reduce for small messages (model/allreduce.py,
     TAPSERVE_ALLREDUCE, on by default within a CUDA host), or None: every all-reduce is
     dist.all_reduce."""
+
     rank: int = 0
     size: int = 1
     group: Any = None
@@ -74,7 +76,9 @@ def split_evenly(n: int, d: int, what: str) -> int:
     """n / d for a dimension split over d ranks; a ParallelLayoutError naming `what` if it
     does not divide."""
     if n % d:
-        raise ParallelLayoutError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+        raise ParallelLayoutError(
+            f"{what} ({n}) is not divisible by the tensor-parallel size ({d})"
+        )
     return n // d
 
 
@@ -92,7 +96,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
             _set_weight_loader(self.bias, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         _check_full_shape(loaded, (self.out_per_rank * self.tp.size, *param.shape[1:]))
         shard = loaded.narrow(0, self.tp.rank * self.out_per_rank, self.out_per_rank)
         _copy_checked(param.data, shard)
@@ -108,7 +114,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), tp, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         _check_full_shape(loaded, (self.out_sizes[shard_id], *param.shape[1:]))
         size = self.out_sizes[shard_id] // self.tp.size
         offset = sum(self.out_sizes[:shard_id]) // self.tp.size
@@ -120,22 +128,33 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix. KV heads are split across ranks, or replicated
     (each rank holding one) when there are fewer KV heads than ranks."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TPGroup, bias: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        tp: TPGroup,
+        bias: bool = False,
+    ):
         self.head_dim = head_dim
         self.num_heads = split_evenly(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = split_evenly(num_kv_heads, tp.size, "num_key_value_heads")
         elif tp.size % num_kv_heads:
-            raise ParallelLayoutError(f"tensor-parallel size {tp.size} is not a multiple of "
-                                      f"num_key_value_heads ({num_kv_heads})")
+            raise ParallelLayoutError(
+                f"tensor-parallel size {tp.size} is not a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
         else:
             self.num_kv_heads = 1
         self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
         super().__init__(hidden, out, tp, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         heads = self.num_heads * self.tp.size if shard_id == "q" else self.total_kv_heads
         _check_full_shape(loaded, (heads * self.head_dim, *param.shape[1:]))
@@ -145,8 +164,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset = q_size if shard_id == "k" else q_size + kv_size
             size = kv_size
             # replicated KV: ranks share a head, rank r takes head r * kv_heads // tp
-            index = self.tp.rank * self.total_kv_heads // self.tp.size \
-                if self.total_kv_heads < self.tp.size else self.tp.rank
+            index = (
+                self.tp.rank * self.total_kv_heads // self.tp.size
+                if self.total_kv_heads < self.tp.size
+                else self.tp.rank
+            )
         shard = loaded.narrow(0, index * size, size)
         _copy_checked(param.data.narrow(0, offset, size), shard)
 
@@ -165,9 +187,13 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             _set_weight_loader(self.bias, _replicated_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         _check_full_shape(loaded, (param.shape[0], self.in_per_rank * self.tp.size))
-        _copy_checked(param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank))
+        _copy_checked(
+            param.data, loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.partial_sums((*x.shape[:-1], self.weight.shape[0]), x.dtype)
@@ -187,11 +213,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.vocab_per_rank, hidden), requires_grad=False)
         _set_weight_loader(self.weight, self.weight_loader)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None
+    ) -> None:
         n = max(0, min(self.vocab_per_rank, self.vocab_size - self.vocab_start))
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not match "
-                             f"({self.vocab_size}, {param.shape[1]})")
+            raise ValueError(
+                f"shape {tuple(loaded.shape)} does not match ({self.vocab_size}, {param.shape[1]})"
+            )
         param.data[:n].copy_(loaded.narrow(0, self.vocab_start, n))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -232,8 +261,9 @@ def gemv_max_rows_from_env() -> int:
     try:
         return min(GEMV_MAX_ROWS_LIMIT, max(0, int(raw)))
     except ValueError:
-        raise ValueError(f"TAPSERVE_GEMV_MAX_ROWS must be an integer (rows; 0 turns the GEMV "
-                         f"off), got {raw!r}") from None
+        raise ValueError(
+            f"TAPSERVE_GEMV_MAX_ROWS must be an integer (rows; 0 turns the GEMV off), got {raw!r}"
+        ) from None
 
 
 def _gemv_max_rows_or_default() -> int:
@@ -252,17 +282,26 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and HAS_TRITON and x.dtype in _KERNEL_DTYPES
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """F.linear, into `out` when given (contiguous, of the result's shape and dtype); on
     CUDA, one row (batch-1 decode) of a 16-bit model times a weight that gemv_config picks
     takes the Triton GEMV (model/kernels/gemv.py), which streams those weights faster than
     cuBLAS's choice for them and writes into `out` itself."""
     k = x.shape[-1]
-    if (use_triton(x) and x.dtype is not torch.float32
-            and weight.dtype == x.dtype and weight.is_contiguous()
-            and 0 < x.numel() <= GEMV_MAX_ROWS * k):
-        from model.kernels.gemv import gemv, gemv_config
+    if (
+        use_triton(x)
+        and x.dtype is not torch.float32
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and 0 < x.numel() <= GEMV_MAX_ROWS * k
+    ):
+        from tapserve.model.kernels.gemv import gemv, gemv_config
+
         config = gemv_config(weight.shape[0], k, x.numel() // k)
         if config is not None:
             return gemv(x, weight, bias, config, out=out)
@@ -280,9 +319,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Plain norm, or (with residual) fused add + norm returning (normed, new residual).
         CUDA: one Triton kernel (model/kernels/norm.py, same math); CPU: the torch code."""
-        if use_triton(x) and (residual is None or (residual.dtype == x.dtype
-                                                   and residual.shape == x.shape)):
-            from model.kernels.norm import fused_add_rms_norm, rms_norm
+        if use_triton(x) and (
+            residual is None or (residual.dtype == x.dtype and residual.shape == x.shape)
+        ):
+            from tapserve.model.kernels.norm import fused_add_rms_norm, rms_norm
+
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -299,7 +340,8 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
-            from model.kernels.activation import silu_and_mul
+            from tapserve.model.kernels.activation import silu_and_mul
+
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -1,5 +1,6 @@
 """Build a CausalLM and fill it from safetensors (single file or sharded with an index),
 shard by shard with a progress bar; or with random weights (`--load-format dummy`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,13 +11,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from model.config import ModelConfig, read_json
-from model.decoder import AttentionBackend, CausalLM
-from model.layers import TPGroup
+from tapserve.model.config import ModelConfig, read_json
+from tapserve.model.decoder import AttentionBackend, CausalLM
+from tapserve.model.layers import TPGroup
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-          "half": torch.float16, "float": torch.float32}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -38,8 +46,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                backend: AttentionBackend | None = None, max_positions: int | None = None) -> CausalLM:
+def build_model(
+    cfg: ModelConfig,
+    tp: TPGroup,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend | None = None,
+    max_positions: int | None = None,
+) -> CausalLM:
     with _default_dtype(dtype), torch.device(device):
         return CausalLM(cfg, tp, backend, max_positions).eval()
 
@@ -81,11 +95,16 @@ def load_weights(model: CausalLM, model_dir: Path, show_progress: bool = True) -
         with open_safetensors(path) as f:
             for hf_name in f.keys():
                 target = _map_name(model, hf_name)
-                if target is not None and target[0] not in params \
-                        and _in_a_layer(target[0], model.config.num_hidden_layers):
-                    raise ValueError(f"checkpoint tensor {hf_name} is part of a layer's attention"
-                                     " or MLP, but the model has no such parameter: its "
-                                     "config.json asks for what tapserve does not implement")
+                if (
+                    target is not None
+                    and target[0] not in params
+                    and _in_a_layer(target[0], model.config.num_hidden_layers)
+                ):
+                    raise ValueError(
+                        f"checkpoint tensor {hf_name} is part of a layer's attention"
+                        " or MLP, but the model has no such parameter: its "
+                        "config.json asks for what tapserve does not implement"
+                    )
                 if target is None or target[0] not in params:
                     continue  # a tensor the model does not use (a head's weights, say)
                 name, shard_id = target
@@ -114,8 +133,13 @@ def _in_a_layer(name: str, num_layers: int) -> bool:
     the model must use (a checkpoint may hold more layers than its config.json declares;
     those are ignored, as transformers ignores them)."""
     parts = name.split(".")
-    return len(parts) > 3 and parts[0] == "layers" and parts[1].isdigit() \
-        and int(parts[1]) < num_layers and parts[2] in ("self_attn", "mlp")
+    return (
+        len(parts) > 3
+        and parts[0] == "layers"
+        and parts[1].isdigit()
+        and int(parts[1]) < num_layers
+        and parts[2] in ("self_attn", "mlp")
+    )
 
 
 def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:
@@ -128,13 +152,23 @@ def _check_complete(model: CausalLM, params: dict, loaded: set[str]) -> None:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         ours = next((o for o in packed if f".{o}." in name), None)
-        parts = [(name, None)] if ours is None else \
-            [(name.replace(f".{ours}.", f".{hf_part}."), shard) for hf_part, shard in packed[ours]]
-        missing += [hf_name if hf_name.startswith("lm_head.") else f"model.{hf_name}"
-                    for hf_name, shard in parts if f"{name}:{shard}" not in loaded]
+        parts = (
+            [(name, None)]
+            if ours is None
+            else [
+                (name.replace(f".{ours}.", f".{hf_part}."), shard)
+                for hf_part, shard in packed[ours]
+            ]
+        )
+        missing += [
+            hf_name if hf_name.startswith("lm_head.") else f"model.{hf_name}"
+            for hf_name, shard in parts
+            if f"{name}:{shard}" not in loaded
+        ]
     if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint is missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
 
 
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:

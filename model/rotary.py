@@ -1,4 +1,5 @@
 """Rotary position embedding (rotate-half layout, as in HF Llama/Qwen), incl. Llama-3 scaling."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from model.layers import use_triton
+from tapserve.model.layers import use_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -22,7 +23,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    factor, low, high = (
+        float(s["factor"]),
+        float(s["low_freq_factor"]),
+        float(s["high_freq_factor"]),
+    )
     old_len = float(s["original_max_position_embeddings"])
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
@@ -46,7 +51,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if _kernel_ok(q, k):
-            from model.kernels.rotary import apply_rotary
+            from tapserve.model.kernels.rotary import apply_rotary
+
             return apply_rotary(q, k, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
@@ -68,39 +74,72 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def _fused_norm_ok(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module) -> bool:
     """The fused q/k norm + rotary kernel takes bf16 and fp32 (fp16 keeps the unfused kernels:
     their two roundings are what the fp16 checks pin down), with norm weights of q's dtype."""
-    return (_kernel_ok(q, k) and q.dtype != torch.float16 and q_norm.weight.dtype == q.dtype
-            and k_norm.weight.dtype == q.dtype and q_norm.eps == k_norm.eps)
+    return (
+        _kernel_ok(q, k)
+        and q.dtype != torch.float16
+        and q_norm.weight.dtype == q.dtype
+        and k_norm.weight.dtype == q.dtype
+        and q_norm.eps == k_norm.eps
+    )
 
 
-def rotary_with_qk_norm(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
-                        k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module):
+def rotary_with_qk_norm(
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: nn.Module,
+    k_norm: nn.Module,
+):
     """Qwen3: per-head RMSNorm of q and k, then RoPE. CUDA: one fused Triton kernel when
     _fused_norm_ok; otherwise (and always on CPU) q_norm, k_norm, rotary."""
     if _fused_norm_ok(q, k, q_norm, k_norm):
-        from model.kernels.rotary import qk_norm_rotary
-        return qk_norm_rotary(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos,
-                              rotary.sin, positions)
+        from tapserve.model.kernels.rotary import qk_norm_rotary
+
+        return qk_norm_rotary(
+            q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos, rotary.sin, positions
+        )
     return rotary(positions, q_norm(q), k_norm(k))
 
 
-def rotary_into_cache(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
-                      k: torch.Tensor, v: torch.Tensor, q_norm: nn.Module | None,
-                      k_norm: nn.Module | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor | None:
+def rotary_into_cache(
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: nn.Module | None,
+    k_norm: nn.Module | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
     """Rotary (after Qwen3's q/k norm when q_norm is given) with the KV-cache store in the same
     Triton kernel: k rotated and v written to their slots, q rotated returned. None where that
     kernel does not apply (CPU; the cases rotary and rotary_with_qk_norm keep unfused; a cache
     of another dtype), and the caller rotates and stores as two steps."""
     if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
         return None
-    from model.kernels.rotary import KVStore
+    from tapserve.model.kernels.rotary import KVStore
+
     if q_norm is None and _kernel_ok(q, k):
-        from model.kernels.rotary import rotary_store
-        return rotary_store(q, k, rotary.cos, rotary.sin, positions,
-                            KVStore(v, k_cache, v_cache, slot_mapping))
+        from tapserve.model.kernels.rotary import rotary_store
+
+        return rotary_store(
+            q, k, rotary.cos, rotary.sin, positions, KVStore(v, k_cache, v_cache, slot_mapping)
+        )
     if q_norm is not None and _fused_norm_ok(q, k, q_norm, k_norm):
-        from model.kernels.rotary import qk_norm_rotary_store
-        return qk_norm_rotary_store(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos,
-                                    rotary.sin, positions,
-                                    KVStore(v, k_cache, v_cache, slot_mapping))
+        from tapserve.model.kernels.rotary import qk_norm_rotary_store
+
+        return qk_norm_rotary_store(
+            q,
+            k,
+            q_norm.weight,
+            k_norm.weight,
+            q_norm.eps,
+            rotary.cos,
+            rotary.sin,
+            positions,
+            KVStore(v, k_cache, v_cache, slot_mapping),
+        )
     return None

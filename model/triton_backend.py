@@ -3,16 +3,17 @@ interface. Decode launches depend only on the batch size (a KV split count per b
 preallocated workspace), so decode can be captured in a CUDA graph. A prefill or mixed step
 runs the extend kernel over its multi-row sequences and the decode kernel over its one-row
 ones (ExtendSplit)."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 
-from model.attention import AttentionMetadata
-from model.decoder import AttentionBackend
+from tapserve.model.attention import AttentionMetadata
+from tapserve.model.decoder import AttentionBackend
 
 MAX_KV_SPLITS = 64
 # decode programs (batch x KV heads x splits) to aim for, per SM: measured on one H200 with
@@ -42,11 +43,15 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
     fewer splits, so a workspace sized for one KV head fits every batch."""
     import triton
 
-    from model.kernels import num_kv_splits_for
+    from tapserve.model.kernels import num_kv_splits_for
 
     def limit_splits(tokens_per_split: int) -> int:
-        return triton.next_power_of_2(num_kv_splits_for(
-            max_model_len, tokens_per_split=tokens_per_split, max_splits=MAX_KV_SPLITS))
+        return triton.next_power_of_2(
+            num_kv_splits_for(
+                max_model_len, tokens_per_split=tokens_per_split, max_splits=MAX_KV_SPLITS
+            )
+        )
+
     cap, usable = limit_splits(TOKENS_PER_SPLIT), limit_splits(MIN_SPLIT_TOKENS)
 
     def power_of_two_within(programs: int, batch: int, kv_heads: int) -> int:
@@ -57,6 +62,7 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
         want = min(cap, power_of_two_within(PROGRAMS_PER_SM * num_sms, batch, kv_heads))
         every_sm = min(usable, power_of_two_within(num_sms, batch, kv_heads))
         return max(want, every_sm)
+
     return splits
 
 
@@ -66,8 +72,14 @@ class DecodeWorkspace:
     is the worst case). Views are made once per (batch, kv_heads): eager decode asks once per
     layer per step."""
 
-    def __init__(self, max_batch: int, num_heads: int, head_dim: int,
-                 splits_for: Callable[[int, int], int], device: torch.device):
+    def __init__(
+        self,
+        max_batch: int,
+        num_heads: int,
+        head_dim: int,
+        splits_for: Callable[[int, int], int],
+        device: torch.device,
+    ):
         self.num_heads, self.head_dim, self.splits_for = num_heads, head_dim, splits_for
         rows = max(b * splits_for(b, 1) for b in range(1, max_batch + 1))
         self.part_out = torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device)
@@ -79,19 +91,35 @@ class DecodeWorkspace:
         key = (batch, kv_heads)
         if key not in self.layouts:
             splits, h, d = self.splits_for(batch, kv_heads), self.num_heads, self.head_dim
-            out = self.part_out[:batch * h * splits * d].view(batch, h, splits, d)
-            lse = self.part_lse[:batch * h * splits].view(batch, h, splits)
+            out = self.part_out[: batch * h * splits * d].view(batch, h, splits, d)
+            lse = self.part_lse[: batch * h * splits].view(batch, h, splits)
             self.layouts[key] = splits, (out, lse)
         return self.layouts[key]
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-               seq_order: torch.Tensor | None) -> torch.Tensor:
-        from model.kernels import paged_decode_attention
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        seq_order: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from tapserve.model.kernels import paged_decode_attention
+
         splits, workspace = self.layout(q.shape[0], k_cache.shape[2])
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      num_kv_splits=splits, workspace=workspace,
-                                      seq_order=seq_order)
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            num_kv_splits=splits,
+            workspace=workspace,
+            seq_order=seq_order,
+        )
 
 
 @dataclass
@@ -101,6 +129,7 @@ class ExtendSplit:
     row, and the one-row sequences (the decoding rows of a mixed step), which go to the decode
     kernel. That kernel reads each KV head once for its whole query group; the extend kernel
     would give every query head of such a row a program of BLOCK_M rows with one in use."""
+
     work: torch.Tensor  # [P, 2] int32, model.kernels.extend.extend_work
     decode_rows: torch.Tensor | None  # [Bd] int64: the one-row sequences' rows of q
     decode_tables: torch.Tensor | None  # [Bd, max_blocks] int32
@@ -108,11 +137,12 @@ class ExtendSplit:
     decode_order: torch.Tensor | None  # [Bd] int32, longest context first
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, block_m: int, device: torch.device) -> "ExtendSplit":
-        from model.kernels.extend import extend_work
+    def of(cls, meta: AttentionMetadata, block_m: int, device: torch.device) -> ExtendSplit:
+        from tapserve.model.kernels.extend import extend_work
 
         def on_device(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
+
         starts = np.asarray(meta.query_start_loc_host or meta.query_start_loc.tolist())
         query_lens = np.diff(starts)
         one_row = np.flatnonzero(query_lens == 1)
@@ -121,41 +151,88 @@ class ExtendSplit:
             return cls(work, None, None, None, None)
         lens = np.asarray(meta.context_lens_host or meta.context_lens.tolist(), np.int32)[one_row]
         tables = meta.block_tables[on_device(one_row)]
-        return cls(work, on_device(starts[one_row].astype(np.int64)), tables, on_device(lens),
-                   on_device(np.argsort(-lens, kind="stable").astype(np.int32)))
+        return cls(
+            work,
+            on_device(starts[one_row].astype(np.int64)),
+            tables,
+            on_device(lens),
+            on_device(np.argsort(-lens, kind="stable").astype(np.int32)),
+        )
 
 
-def make_triton_backend(max_batch: int, num_heads: int, head_dim: int, max_model_len: int,
-                        device: torch.device, num_sms: int | None = None) -> AttentionBackend:
+def make_triton_backend(
+    max_batch: int,
+    num_heads: int,
+    head_dim: int,
+    max_model_len: int,
+    device: torch.device,
+    num_sms: int | None = None,
+) -> AttentionBackend:
     """num_sms: the device's, unless given (the CPU interpreter has none)."""
-    from model.kernels import extend_attention, longest_first, store_kv_cache
-    from model.kernels.extend import extend_config
+    from tapserve.model.kernels import extend_attention, longest_first, store_kv_cache
+    from tapserve.model.kernels.extend import extend_config
+
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    decoder = DecodeWorkspace(max_batch, num_heads, head_dim,
-                              decode_split_policy(max_model_len, num_sms), device)
+    decoder = DecodeWorkspace(
+        max_batch, num_heads, head_dim, decode_split_policy(max_model_len, num_sms), device
+    )
 
-    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         # once per step (per CUDA-graph replay), on the device: the first layer sorts
         if "decode_order" not in meta.backend_state:
             meta.backend_state["decode_order"] = longest_first(meta.context_lens)
-        return decoder.attend(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                              meta.backend_state["decode_order"])
+        return decoder.attend(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            meta.backend_state["decode_order"],
+        )
 
-    def extend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def extend(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         block_m = extend_config(k_cache.element_size(), head_dim)[0]
         split = meta.backend_state.get(("extend_split", block_m))
         if split is None:
-            split = meta.backend_state[("extend_split", block_m)] = ExtendSplit.of(meta, block_m, q.device)
-        out = extend_attention(q, k_cache, v_cache, meta.query_start_loc, meta.context_lens,
-                               meta.block_tables, scale, work=split.work)
+            split = meta.backend_state[("extend_split", block_m)] = ExtendSplit.of(
+                meta, block_m, q.device
+            )
+        out = extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.query_start_loc,
+            meta.context_lens,
+            meta.block_tables,
+            scale,
+            work=split.work,
+        )
         if split.decode_rows is not None:
-            out[split.decode_rows] = decoder.attend(q[split.decode_rows], k_cache, v_cache,
-                                                    split.decode_tables, split.decode_lens, scale,
-                                                    split.decode_order)
+            out[split.decode_rows] = decoder.attend(
+                q[split.decode_rows],
+                k_cache,
+                v_cache,
+                split.decode_tables,
+                split.decode_lens,
+                scale,
+                split.decode_order,
+            )
         return out
 
-    return AttentionBackend(store=store_kv_cache, extend=extend, decode=decode,
-                            store_in_rotary=True)
+    return AttentionBackend(
+        store=store_kv_cache, extend=extend, decode=decode, store_in_rotary=True
+    )

@@ -5,6 +5,7 @@ LOCAL_RANK; without them tapserve runs as one process with no process group at a
 gloo group carries plans, so CPU and GPU share one code path. Both groups time out after
 `peer_timeout` seconds, which bounds how long a rank waits for a dead peer.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.layers import TPGroup
-from ranks.local_group import STORE_ENV
-from ranks.plan import (TRANSPORT_HEADER_BYTES, EncodedPlan, PlanDecoder, PlanMessage, StepPlan,
-                        decode_plan)
+from tapserve.model.layers import TPGroup
+from tapserve.ranks.local_group import STORE_ENV
+from tapserve.ranks.plan import (
+    TRANSPORT_HEADER_BYTES,
+    EncodedPlan,
+    PlanDecoder,
+    PlanMessage,
+    StepPlan,
+    decode_plan,
+)
 
 # the plan's length, the next message's size (little-endian uint64)
 HEADER_BYTES = TRANSPORT_HEADER_BYTES
@@ -58,10 +65,14 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, timeout=timeout,
-                            init_method=f"file://{store_file}" if store_file else None,
-                            rank=rank, world_size=world_size,
-                            device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        init_method=f"file://{store_file}" if store_file else None,
+        rank=rank,
+        world_size=world_size,
+        device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
+    )
     plan_group = dist.new_group(backend="gloo", timeout=timeout)
     tp = TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
     return DistContext(rank, world_size, local_rank, tp, plan_group)
@@ -92,7 +103,7 @@ class PlanChannel:
         self._decoder = PlanDecoder()  # a steady step's head is parsed once
         self.last_sent = time.monotonic()  # when rank 0 last sent a plan (of any kind)
         self._wire: PlanMessage | None = None  # the last laid-out message sent, and
-        self._wire_body = self.rest             # a tensor over its buffer from its start
+        self._wire_body = self.rest  # a tensor over its buffer from its start
 
     def send(self, plan: StepPlan, timeout_s: float | None = None) -> None:
         """Broadcast one plan; timeout_s bounds each broadcast's wait (a RuntimeError past it)
@@ -107,9 +118,9 @@ class PlanChannel:
             encoded.write_into(body.numpy()[HEADER_BYTES:])
         next_size = self._next_size(n)
         body.numpy()[:HEADER_BYTES].view("<u8")[:] = n, next_size
-        self._broadcast(body[:self.size], timeout_s)
+        self._broadcast(body[: self.size], timeout_s)
         if HEADER_BYTES + n > self.size:  # the remainder: the same buffer's next bytes
-            self._broadcast(body[self.size:HEADER_BYTES + n], timeout_s)
+            self._broadcast(body[self.size : HEADER_BYTES + n], timeout_s)
         self.size = next_size
         self.last_sent = time.monotonic()
 
@@ -118,7 +129,8 @@ class PlanChannel:
             dist.broadcast(data, src=0, group=self.group)
         else:
             dist.broadcast(data, src=0, group=self.group, async_op=True).wait(
-                timeout=timedelta(seconds=timeout_s))
+                timeout=timedelta(seconds=timeout_s)
+            )
 
     def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
         """The bytes to broadcast for a plan already in its message (PlanMessage), and the
@@ -133,7 +145,7 @@ class PlanChannel:
             return self._wire_body, n
         body = self._message(max(self.size, HEADER_BYTES + n))
         message = slice(start + HEADER_BYTES, start + HEADER_BYTES + n)
-        body.numpy()[HEADER_BYTES:HEADER_BYTES + n] = wire.buffer[message]
+        body.numpy()[HEADER_BYTES : HEADER_BYTES + n] = wire.buffer[message]
         return body, n
 
     def recv(self) -> StepPlan:
@@ -149,10 +161,10 @@ class PlanChannel:
         k = min(n, self.size - HEADER_BYTES)
         self.size = next_size
         if n == k:
-            return self._decoder.decode(head[HEADER_BYTES:HEADER_BYTES + n])
+            return self._decoder.decode(head[HEADER_BYTES : HEADER_BYTES + n])
         rest = self._rest(n - k)
         dist.broadcast(rest, src=0, group=self.group)
-        return decode_plan(head[HEADER_BYTES:HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
+        return decode_plan(head[HEADER_BYTES : HEADER_BYTES + k].tobytes() + rest.numpy().tobytes())
 
     def _receive(self, data: torch.Tensor) -> None:
         if not self.spin_s:

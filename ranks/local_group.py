@@ -9,6 +9,7 @@ listens on all interfaces and torch offers no way to bind it; docs/reliability.m
 Like torchrun, the parent forwards SIGINT/SIGTERM to every rank (rank 0 drains and stops the
 group; the other ranks ignore signals) and, once a rank fails, stops the rest.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,18 +32,25 @@ def is_local_rank() -> bool:
 def run_local_group(nproc: int, argv: list[str], grace_s: float = 30.0) -> int:
     """Run `python <argv>` as nproc ranks; return the first non-zero exit code, else 0."""
     group_dir = tempfile.mkdtemp(prefix="tapserve-group-")  # mode 0700
-    env = {**os.environ, **LOOPBACK_ENV, "WORLD_SIZE": str(nproc),
-           "LOCAL_WORLD_SIZE": str(nproc), STORE_ENV: os.path.join(group_dir, "store")}
+    env = {
+        **os.environ,
+        **LOOPBACK_ENV,
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        STORE_ENV: os.path.join(group_dir, "store"),
+    }
     if nproc > 1:  # as torchrun: N ranks of all-core thread pools oversubscribe a CPU host
         env.setdefault("OMP_NUM_THREADS", "1")
-    ranks = [subprocess.Popen([sys.executable, *argv],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(nproc)]
+    ranks = [
+        subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(nproc)
+    ]
 
     def forward(signum, _frame) -> None:
         for p in ranks:
             if p.poll() is None:
                 p.send_signal(signum)
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _wait(ranks, grace_s)

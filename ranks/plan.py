@@ -7,6 +7,7 @@ tables, or a PlanMessage that the next decode step advances in place), which the
 rewrites (copy a plan to keep it). Received plans are views of the channel's receive buffer
 (ranks/group.py: valid until the next receive).
 """
+
 from __future__ import annotations
 
 import enum
@@ -51,15 +52,19 @@ class StepPlan:
     # rows to sample from, strictly increasing (the runner takes every row unindexed when
     # there are as many as rows)
     logit_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))
-    custom_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # rows for the handler
-    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))  # (src, dst)
+    custom_rows: np.ndarray = field(
+        default_factory=lambda: _empty(np.int64)
+    )  # rows for the handler
+    block_copies: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 2), np.int64)
+    )  # (src, dst)
     graph_bucket: int = -1  # CUDA-graph batch bucket, -1 = eager
     # a decode step scheduled ahead of its predecessor's sampling (coordinator/run_ahead.py):
     # its token ids are still on rank 0's GPU and reach every rank in a broadcast from rank 0
     # at the start of this step (ModelRunner.execute); input_ids holds placeholders
     ids_from_rank0: bool = False
     # rank 0 only: the message whose data the arrays are views of (PlanMessage), if any
-    wire: "PlanMessage | None" = field(default=None, compare=False, repr=False)
+    wire: PlanMessage | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +78,9 @@ class StepPlan:
 # the plan's scalars, written in the message's head (_pack_head) in this order
 _HEAD_FIELDS = ("kind", "graph_bucket", "ids_from_rank0")
 # the wire's order: the block tables last, so that a laid-out message widens them in place
-_ARRAY_FIELDS = [f.name for f in fields(StepPlan)
-                 if f.name not in (*_HEAD_FIELDS, "wire", "block_tables")] + ["block_tables"]
+_ARRAY_FIELDS = [
+    f.name for f in fields(StepPlan) if f.name not in (*_HEAD_FIELDS, "wire", "block_tables")
+] + ["block_tables"]
 _ALIGN = 8  # each array starts 8-aligned in the data blob (aligned in a copy of the blob;
 # views of a received buffer are as aligned as the blob's start there, which numpy and torch
 # read either way)
@@ -106,13 +112,31 @@ def _pack_head(fields: tuple[int, int, bool], arrays: list[np.ndarray]) -> bytes
     """The message up to (and with the header of) its data bin."""
     kind_key, bucket_key, ids_key, arrays_key, data_key = _HEAD_KEYS
     kind, bucket, ids_from_rank0 = fields
-    layout = [b"\x92" + msgpack.packb(a.dtype.str) + bytes([0x90 | a.ndim])
-              + b"".join(map(_int32, a.shape)) for a in arrays]
+    layout = [
+        b"\x92"
+        + msgpack.packb(a.dtype.str)
+        + bytes([0x90 | a.ndim])
+        + b"".join(map(_int32, a.shape))
+        for a in arrays
+    ]
     data_bytes = sum(_padded(a.nbytes) for a in arrays)
-    return b"".join((b"\x85", kind_key, _int32(kind), bucket_key, _int32(bucket),
-                     ids_key, b"\xc3" if ids_from_rank0 else b"\xc2", arrays_key,
-                     bytes([0x90 | len(arrays)]), *layout,
-                     data_key, b"\xc6", data_bytes.to_bytes(4, "big")))  # bin 32 header
+    return b"".join(
+        (
+            b"\x85",
+            kind_key,
+            _int32(kind),
+            bucket_key,
+            _int32(bucket),
+            ids_key,
+            b"\xc3" if ids_from_rank0 else b"\xc2",
+            arrays_key,
+            bytes([0x90 | len(arrays)]),
+            *layout,
+            data_key,
+            b"\xc6",
+            data_bytes.to_bytes(4, "big"),
+        )
+    )  # bin 32 header
 
 
 class EncodedPlan:
@@ -130,7 +154,7 @@ class EncodedPlan:
         pos = len(self.head)
         out[:pos] = np.frombuffer(self.head, np.uint8)
         for a in self.arrays:
-            out[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8)
+            out[pos : pos + a.nbytes] = a.reshape(-1).view(np.uint8)
             pos += _padded(a.nbytes)
 
     def tobytes(self) -> bytes:
@@ -161,7 +185,7 @@ class PlanMessage:
         size = 3 * (self.start + TRANSPORT_HEADER_BYTES + self.nbytes) + 16384
         fits = reuse is not None and size <= reuse.size <= 2 * size
         self.buffer = reuse if fits else np.zeros(size, np.uint8)
-        encoded.write_into(self.buffer[self.start + TRANSPORT_HEADER_BYTES:])
+        encoded.write_into(self.buffer[self.start + TRANSPORT_HEADER_BYTES :])
         self.views, pos = [], self.data_start
         for a in encoded.arrays:
             self.views.append(self._view(pos, a.dtype, a.shape))
@@ -170,12 +194,19 @@ class PlanMessage:
         self._sealed: tuple[int, int, bool] | None = _head_fields(plan)  # the head's
 
     def _view(self, pos: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        return self.buffer[pos:pos + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
+        return self.buffer[pos : pos + dtype.itemsize * math.prod(shape)].view(dtype).reshape(shape)
 
-    def plan(self, kind: StepKind, graph_bucket: int = -1, ids_from_rank0: bool = False) -> StepPlan:
+    def plan(
+        self, kind: StepKind, graph_bucket: int = -1, ids_from_rank0: bool = False
+    ) -> StepPlan:
         """A plan whose arrays are this message's views."""
-        return StepPlan(kind, graph_bucket=graph_bucket, ids_from_rank0=ids_from_rank0, wire=self,
-                        **dict(zip(_ARRAY_FIELDS, self.views)))
+        return StepPlan(
+            kind,
+            graph_bucket=graph_bucket,
+            ids_from_rank0=ids_from_rank0,
+            wire=self,
+            **dict(zip(_ARRAY_FIELDS, self.views)),
+        )
 
     def holds(self, plan: StepPlan) -> bool:
         """plan's arrays are still this message's views (nobody swapped one out)."""
@@ -206,7 +237,9 @@ class PlanMessage:
         fields = _head_fields(plan)
         if self._sealed != fields:
             head = _pack_head(fields, self.views)
-            self.buffer[self.data_start - len(head):self.data_start] = np.frombuffer(head, np.uint8)
+            self.buffer[self.data_start - len(head) : self.data_start] = np.frombuffer(
+                head, np.uint8
+            )
             self._sealed = fields
 
 
@@ -257,7 +290,7 @@ def _read_head(view: memoryview) -> tuple[dict, int, int] | None:
             else:
                 at = unpacker.tell()
                 width = {0xC4: 1, 0xC5: 2, 0xC6: 4}.get(view[at], 0)
-                n = int.from_bytes(view[at + 1:at + 1 + width], "big")
+                n = int.from_bytes(view[at + 1 : at + 1 + width], "big")
                 if width and at + 1 + width + n == len(view):
                     return body, at + 1 + width, n
         return None
@@ -279,6 +312,7 @@ def _decode_body(body: dict, blob: np.ndarray | None) -> StepPlan:
 @dataclass(frozen=True)
 class _Layout:
     """A message's head, checked: the plan's scalars and where each array lies in the data."""
+
     kind: StepKind
     graph_bucket: int
     ids_from_rank0: bool
@@ -287,10 +321,12 @@ class _Layout:
 
     def plan(self, blob: np.ndarray) -> StepPlan:
         """The plan whose arrays are views of blob (self.nbytes long)."""
-        return StepPlan(kind=self.kind, graph_bucket=self.graph_bucket,
-                        ids_from_rank0=self.ids_from_rank0,
-                        **{name: np.ndarray(shape, dt, blob, pos)
-                           for name, dt, shape, pos in self.arrays})
+        return StepPlan(
+            kind=self.kind,
+            graph_bucket=self.graph_bucket,
+            ids_from_rank0=self.ids_from_rank0,
+            **{name: np.ndarray(shape, dt, blob, pos) for name, dt, shape, pos in self.arrays},
+        )
 
 
 def _layout(body: dict) -> _Layout:
@@ -306,8 +342,13 @@ def _layout(body: dict) -> _Layout:
             pos += _padded(dt.itemsize * math.prod(shape))
         if type(body["ids_from_rank0"]) is not bool:
             raise TypeError(f"ids_from_rank0 is {body['ids_from_rank0']!r}, not a bool")
-        return _Layout(StepKind(body["kind"]), int(body["graph_bucket"]),
-                       body["ids_from_rank0"], tuple(arrays), pos)
+        return _Layout(
+            StepKind(body["kind"]),
+            int(body["graph_bucket"]),
+            body["ids_from_rank0"],
+            tuple(arrays),
+            pos,
+        )
     except (TypeError, KeyError, OverflowError, SyntaxError, msgpack.UnpackException) as e:
         # (numpy's dtype parser raises SyntaxError for some strings, int() OverflowError)
         raise ValueError(f"malformed step plan: {type(e).__name__}: {e}") from e

@@ -1,25 +1,26 @@
 """The per-rank model runner: plan -> tensors -> forward. Identical on every rank; only rank 0
 uses the logits and the hidden states of `custom_rows`."""
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from cuda_graphs.decode import DecodeGraphs
-from model.allreduce import MODES, mode_from_env, with_one_shot_all_reduce
-from model.attention import AttentionMetadata
-from model.config import ModelConfig
-from model.decoder import AttentionBackend, ForwardContext
-from model.layers import TPGroup, gemv_max_rows_from_env
-from model.loader import build_model, init_dummy_weights, load_weights
-from model.triton_backend import make_triton_backend
-from ranks.plan import StepKind, StepPlan
+from tapserve.cuda_graphs.decode import DecodeGraphs
+from tapserve.model.allreduce import MODES, mode_from_env, with_one_shot_all_reduce
+from tapserve.model.attention import AttentionMetadata
+from tapserve.model.config import ModelConfig
+from tapserve.model.decoder import AttentionBackend, ForwardContext
+from tapserve.model.layers import TPGroup, gemv_max_rows_from_env
+from tapserve.model.loader import build_model, init_dummy_weights, load_weights
+from tapserve.model.triton_backend import make_triton_backend
+from tapserve.ranks.plan import StepKind, StepPlan
 
 GiB = 1 << 30
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # KV block sizes (tokens) the attention kernels take
@@ -45,8 +46,10 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         if self.all_reduce not in MODES:
-            raise ValueError(f"all_reduce (TAPSERVE_ALLREDUCE) must be one of {', '.join(MODES)}, "
-                             f"got {self.all_reduce!r}")
+            raise ValueError(
+                f"all_reduce (TAPSERVE_ALLREDUCE) must be one of {', '.join(MODES)}, "
+                f"got {self.all_reduce!r}"
+            )
         check_block_size_and_load_format(self.block_size, self.load_format)
         gemv_max_rows_from_env()  # (model.layers read it at import, leniently)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -57,10 +60,13 @@ def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
     """ValueError unless both are ones the runner takes (EngineConfig checks them before
     any rank starts)."""
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, "
-                         f"got {block_size}")
+        raise ValueError(
+            f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}"
+        )
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
 
 
 class RankAgreedError(ValueError):
@@ -91,17 +97,33 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, cfg: RunnerConfig, tp: TPGroup,
-                 min_across_ranks: Callable[[int], int] = lambda x: x,
-                 backend: AttentionBackend | None = None, show_progress: bool = True):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        cfg: RunnerConfig,
+        tp: TPGroup,
+        min_across_ranks: Callable[[int], int] = lambda x: x,
+        backend: AttentionBackend | None = None,
+        show_progress: bool = True,
+    ):
         # collective when switched on: every rank, before the model and the graphs capture tp
-        tp = with_one_shot_all_reduce(tp, cfg.all_reduce, cfg.device, cfg.dtype,
-                                      cfg.max_num_seqs * model_cfg.hidden_size * cfg.dtype.itemsize)
+        tp = with_one_shot_all_reduce(
+            tp,
+            cfg.all_reduce,
+            cfg.device,
+            cfg.dtype,
+            cfg.max_num_seqs * model_cfg.hidden_size * cfg.dtype.itemsize,
+        )
         self.model_cfg, self.cfg, self.tp = model_cfg, cfg, tp
         self.device = cfg.device
         if backend is None and cfg.device.type == "cuda":
-            backend = make_triton_backend(cfg.max_num_seqs, model_cfg.num_attention_heads // tp.size,
-                                          model_cfg.head_dim, cfg.max_model_len, cfg.device)
+            backend = make_triton_backend(
+                cfg.max_num_seqs,
+                model_cfg.num_attention_heads // tp.size,
+                model_cfg.head_dim,
+                cfg.max_model_len,
+                cfg.device,
+            )
         self.model = build_model(model_cfg, tp, cfg.dtype, cfg.device, backend, cfg.max_model_len)
         if cfg.load_format == "dummy":
             init_dummy_weights(self.model, cfg.seed)
@@ -118,12 +140,18 @@ class ModelRunner:
             self._check_host_memory(min_across_ranks(_host_memory_available()))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # ranks > 0: where a step scheduled ahead receives its ids from rank 0 (ids_from_rank0)
-        self._rank0_ids = torch.zeros(cfg.max_num_seqs if tp.rank > 0 else 0,
-                                      dtype=torch.int64, device=cfg.device)
+        self._rank0_ids = torch.zeros(
+            cfg.max_num_seqs if tp.rank > 0 else 0, dtype=torch.int64, device=cfg.device
+        )
         self.graphs: DecodeGraphs | None = None
         if cfg.device.type == "cuda" and not cfg.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, cfg.max_num_seqs,
-                                       -(-cfg.max_model_len // cfg.block_size), cfg.device)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                cfg.max_num_seqs,
+                -(-cfg.max_model_len // cfg.block_size),
+                cfg.device,
+            )
             self.graphs.capture()
 
     def graph_bucket_for(self, plan: StepPlan) -> int:
@@ -163,7 +191,8 @@ class ModelRunner:
                 f"the KV cache, {self.num_blocks} blocks ({need / GiB:.1f} GiB for {ranks} "
                 f"rank(s) on this host), does not fit the host's available memory "
                 f"({available / GiB:.1f} GiB, of which 1 GiB and a tenth are left to the "
-                f"processes): lower --kv-cache-memory or --num-kv-blocks")
+                f"processes): lower --kv-cache-memory or --num-kv-blocks"
+            )
 
     def _cuda_kv_budget(self) -> int:
         """Fraction of the GPU left after weights and a peak-activation profile run."""
@@ -177,8 +206,12 @@ class ModelRunner:
         """The most memory a step's forward and logits take beyond the KV cache: the larger
         of the two profile steps (profile_plans), each run on a scratch KV cache."""
         peak = 0
-        for plan in profile_plans(self.cfg.max_num_batched_tokens, self.cfg.max_model_len,
-                                  self.cfg.max_num_seqs, self.cfg.block_size):
+        for plan in profile_plans(
+            self.cfg.max_num_batched_tokens,
+            self.cfg.max_model_len,
+            self.cfg.max_num_seqs,
+            self.cfg.block_size,
+        ):
             caches = self._allocate_kv_cache(int(plan.block_tables.max()) + 1)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
@@ -190,14 +223,19 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.cfg.block_size, self.num_kv_heads, self.model_cfg.head_dim)
-        return [(torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.cfg.dtype, device=self.device))
-                for _ in range(self.model_cfg.num_hidden_layers)]
+        return [
+            (
+                torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.cfg.dtype, device=self.device),
+            )
+            for _ in range(self.model_cfg.num_hidden_layers)
+        ]
 
     # ---- execution ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, kv_caches=None,
-                input_ids: torch.Tensor | None = None) -> StepOutput | None:
+    def execute(
+        self, plan: StepPlan, kv_caches=None, input_ids: torch.Tensor | None = None
+    ) -> StepOutput | None:
         """input_ids: on rank 0, the plan's token ids already on the device (a step scheduled
         ahead of its predecessor's sampling, plan.ids_from_rank0), in place of plan.input_ids;
         at TP > 1 every rank takes them from rank 0 in a broadcast first."""
@@ -248,7 +286,8 @@ class ModelRunner:
             block_tables=self._tensor(plan.block_tables).to(torch.int32),
             is_decode=plan.kind is StepKind.DECODE,
             query_start_loc_host=plan.query_start_loc.tolist(),
-            context_lens_host=plan.context_lens.tolist())
+            context_lens_host=plan.context_lens.tolist(),
+        )
         return ForwardContext(self._tensor(plan.positions), attn, kv_caches)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
@@ -265,8 +304,9 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
 
-def profile_plans(max_tokens: int, max_model_len: int, max_seqs: int,
-                  block_size: int) -> list[StepPlan]:
+def profile_plans(
+    max_tokens: int, max_model_len: int, max_seqs: int, block_size: int
+) -> list[StepPlan]:
     """The prefill steps whose forward takes the most memory the scheduler can ask for: one
     sequence as long as a step and the context allow (the longest attention), and a full
     token budget split over as many sequences as may run (the most tokens, and a logit row
@@ -288,7 +328,13 @@ def _prefill_plan(lengths: list[int], block_size: int) -> StepPlan:
     starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     positions = np.arange(starts[-1]) - np.repeat(starts[:-1], lens)
     slots = np.repeat(first_block * block_size, lens) + positions
-    return StepPlan(kind=StepKind.PREFILL, input_ids=np.zeros(starts[-1], np.int64),
-                    positions=positions.astype(np.int64), slot_mapping=slots.astype(np.int64),
-                    query_start_loc=starts, context_lens=lens,
-                    block_tables=tables.astype(np.int32), logit_rows=(starts[1:] - 1).astype(np.int64))
+    return StepPlan(
+        kind=StepKind.PREFILL,
+        input_ids=np.zeros(starts[-1], np.int64),
+        positions=positions.astype(np.int64),
+        slot_mapping=slots.astype(np.int64),
+        query_start_loc=starts,
+        context_lens=lens,
+        block_tables=tables.astype(np.int32),
+        logit_rows=(starts[1:] - 1).astype(np.int64),
+    )

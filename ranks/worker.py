@@ -1,12 +1,13 @@
 """The loop of ranks other than 0: receive a plan, run it, repeat. Stateless apart from the KV
 cache; a stop plan ends the loop, a dead peer raises out of the broadcast (exit non-zero)."""
+
 from __future__ import annotations
 
 import signal
 
-from ranks.group import PlanChannel
-from ranks.plan import StepKind
-from ranks.runner import ModelRunner
+from tapserve.ranks.group import PlanChannel
+from tapserve.ranks.plan import StepKind
+from tapserve.ranks.runner import ModelRunner
 
 
 def ignore_termination_signals() -> None:

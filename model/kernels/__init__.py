@@ -22,6 +22,7 @@ Exports (loaded lazily, so `import model.kernels` works without Triton installed
 The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is first imported).
 """
+
 from __future__ import annotations
 
 import importlib

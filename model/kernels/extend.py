@@ -16,6 +16,7 @@ it may leave sequences out (the backend sends one-token sequences to the decode 
 Keys strictly before the block's first position are visible to every row and run without a
 mask; the last few key tiles (up to BLOCK_M + BLOCK_N keys) apply the causal mask.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,14 +24,35 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.utils import LOG2E, dot_precision
+from tapserve.model.kernels.utils import LOG2E, dot_precision
 
 
 @triton.jit
-def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
-                 pos, kv_end, qk_scale,
-                 stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                 PAGE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    bt_row,
+    k_base,
+    v_base,
+    offs_n,
+    offs_d,
+    mask_d,
+    pos,
+    kv_end,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
     """One BLOCK_N key tile of the online softmax; returns the updated (acc, m_i, l_i)."""
     tok = start + offs_n
     if MASKED:
@@ -41,10 +63,22 @@ def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d
         page = tl.load(bt_row + tok // PAGE).to(tl.int64)
         kv_mask = mask_d[None, :]
     in_page = (tok % PAGE).to(tl.int64)
-    k = tl.load(k_base + page[:, None] * stride_kb + in_page[:, None] * stride_ks
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_base + page[:, None] * stride_vb + in_page[:, None] * stride_vs
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = tl.load(
+        k_base
+        + page[:, None] * stride_kb
+        + in_page[:, None] * stride_ks
+        + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_base
+        + page[:, None] * stride_vb
+        + in_page[:, None] * stride_vs
+        + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N]
     if MASKED:
         visible = (tok[None, :] <= pos[:, None]) & (tok < kv_end)[None, :]
@@ -62,16 +96,36 @@ def _attend_tile(q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d
 # multiple of 16 does not compile another variant in the middle of serving (~1 s each)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    work_ptr, query_start_loc_ptr, context_lens_ptr, block_tables_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    work_ptr,
+    query_start_loc_ptr,
+    context_lens_ptr,
+    block_tables_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
     stride_bt,
-    group_size, head_dim,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    group_size,
+    head_dim,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     b = tl.load(work_ptr + 2 * tl.program_id(0))
@@ -94,8 +148,11 @@ def _extend_kernel(
     pos = prefix + offs_m
     rows = (q_start + offs_m).to(tl.int64)
 
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     q = q.to(k_cache_ptr.dtype.element_ty)
 
     kv_head = (h // group_size).to(tl.int64)
@@ -108,18 +165,63 @@ def _extend_kernel(
 
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
-            pos, kv_end, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-            stride_vd, PAGE=PAGE, MASKED=False, DOT_PREC=DOT_PREC)
+            q,
+            acc,
+            m_i,
+            l_i,
+            start,
+            bt_row,
+            k_base,
+            v_base,
+            offs_n,
+            offs_d,
+            mask_d,
+            pos,
+            kv_end,
+            qk_scale,
+            stride_kb,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vd,
+            PAGE=PAGE,
+            MASKED=False,
+            DOT_PREC=DOT_PREC,
+        )
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, bt_row, k_base, v_base, offs_n, offs_d, mask_d,
-            pos, kv_end, qk_scale, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-            stride_vd, PAGE=PAGE, MASKED=True, DOT_PREC=DOT_PREC)
+            q,
+            acc,
+            m_i,
+            l_i,
+            start,
+            bt_row,
+            k_base,
+            v_base,
+            offs_n,
+            offs_d,
+            mask_d,
+            pos,
+            kv_end,
+            qk_scale,
+            stride_kb,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vd,
+            PAGE=PAGE,
+            MASKED=True,
+            DOT_PREC=DOT_PREC,
+        )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
 
 
 def extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -141,11 +243,18 @@ def extend_work(query_lens: np.ndarray, block_m: int, seqs: np.ndarray | None = 
     return np.stack([np.repeat(seqs, counts), rows], axis=1).astype(np.int32)
 
 
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     work: torch.Tensor | None = None,
-                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """Causal extend attention of q [T, H, D] over paged K/V; returns out [T, H, D] (q's dtype).
 
     query_start_loc [B+1] int32, context_lens [B] int32 (prefix + new tokens), block_tables
@@ -169,18 +278,37 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if work is None:
         query_lens = np.diff(query_start_loc.cpu().numpy())
         work = torch.from_numpy(extend_work(query_lens, block_m)).to(q.device)
-    assert work.dtype == torch.int32 and work.dim() == 2 and work.shape[1] == 2 \
-        and work.is_contiguous(), "work: extend_work's [P, 2] int32 list"
+    assert (
+        work.dtype == torch.int32
+        and work.dim() == 2
+        and work.shape[1] == 2
+        and work.is_contiguous()
+    ), "work: extend_work's [P, 2] int32 list"
     if work.shape[0] == 0:
         return out
     _extend_kernel[(work.shape[0], num_heads)](
-        q, k_cache, v_cache, out, work, query_start_loc, context_lens, block_tables,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        work,
+        query_start_loc,
+        context_lens,
+        block_tables,
         scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
         block_tables.stride(0),
-        num_heads // num_kv_heads, head_dim,
-        PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PREC=dot_precision(k_cache.dtype),
-        num_warps=warps, num_stages=stages,
+        num_heads // num_kv_heads,
+        head_dim,
+        PAGE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PREC=dot_precision(k_cache.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -11,6 +11,7 @@ used once per step); x is small and cached. Launch configs are fixed, measured p
 shape (gemv_configs.json; no autotuning at start-up). The grid depends only on N:
 CUDA-graph capturable.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels import GEMV_MAX_ROWS as MAX_ROWS  # the largest M; more stay on cuBLAS
-from model.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from tapserve.model.kernels import GEMV_MAX_ROWS as MAX_ROWS  # the largest M; more stay on cuBLAS
+from tapserve.model.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ def parse_shape(shape: str) -> tuple[int, int]:
     return int(n), int(k)
 
 
-def load_measured_configs(path: Path = MEASURED_CONFIGS_PATH
-                          ) -> Mapping[tuple[int, int], GemvConfig | None]:
+def load_measured_configs(
+    path: Path = MEASURED_CONFIGS_PATH,
+) -> Mapping[tuple[int, int], GemvConfig | None]:
     """The fastest kernel per weight shape (N, K) at one row, as `bench/gemv.py --sweep
     --write-configs` measured them (the file's "sources"): a GemvConfig, or None where
     cuBLAS was faster. An entry with a key it does not know is an error, not a fallback."""
@@ -80,10 +82,24 @@ def _products(w, x, REDUCE_EACH: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, REDUCE_EACH: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    REDUCE_EACH: tl.constexpr,
+    PDL: tl.constexpr,
+):
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -111,8 +127,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_y,
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig = DEFAULT_CONFIG,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed, plus bias:
     [..., N] in x's dtype, accumulated in fp32; written into out when given (contiguous,
     [..., N], x's dtype)."""
@@ -130,20 +151,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x2 = x2.contiguous()
     if out is None:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif (out.shape != (*x.shape[:-1], n) or out.dtype != x.dtype or not out.is_contiguous()
-          or out.device != x.device):
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous "
-                         f"{(*x.shape[:-1], n)} {x.dtype} tensor")
+    elif (
+        out.shape != (*x.shape[:-1], n)
+        or out.dtype != x.dtype
+        or not out.is_contiguous()
+        or out.device != x.device
+    ):
+        raise ValueError(
+            f"out {tuple(out.shape)} {out.dtype} is not a contiguous "
+            f"{(*x.shape[:-1], n)} {x.dtype} tensor"
+        )
     else:
         y = out.view(m, n)
     if m and n:
         block_k = min(config.block_k, triton.next_power_of_2(k))
         _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-            x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
-            BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+            x2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            y.stride(0),
+            HAS_BIAS=bias is not None,
+            BLOCK_M=triton.next_power_of_2(m),
+            BLOCK_N=config.block_n,
+            BLOCK_K=block_k,
+            EVEN_K=k % block_k == 0,
             REDUCE_EACH=config.reduce_each,
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **pdl_options(x),
+        )
     return y.view(*x.shape[:-1], n)
 
 

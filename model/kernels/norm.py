@@ -15,22 +15,39 @@ q / k views of a fused QKV projection, [T, heads, head_dim] with stride(0) = qkv
 no copy is made. The last dim must be contiguous (it is copied otherwise). Outputs are new,
 contiguous tensors (or `out`). Grid depends only on the shape: CUDA-graph capturable.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.pdl import pdl_options, pdl_prologue
+from tapserve.model.kernels.pdl import pdl_options, pdl_prologue
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compile for every batch size
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_rows, inner, n_cols,
-    sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    inner,
+    n_cols,
+    sx0,
+    sx1,
+    sr0,
+    sr1,
+    so0,
+    so1,
+    sro0,
+    sro1,
     eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
@@ -43,11 +60,11 @@ def _rms_norm_kernel(
 
     x = tl.load(x_ptr + (outer * sx0 + inn * sx1)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + (outer * sr0 + inn * sr1)[:, None] + cols[None, :], mask=mask,
-                    other=0.0)
+        r = tl.load(
+            r_ptr + (outer * sr0 + inn * sr1)[:, None] + cols[None, :], mask=mask, other=0.0
+        )
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + (outer * sro0 + inn * sro1)[:, None] + cols[None, :], x,
-                 mask=mask)
+        tl.store(res_out_ptr + (outer * sro0 + inn * sro1)[:, None] + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / n_cols
     rstd = 1.0 / tl.sqrt(var + eps)
@@ -90,14 +107,21 @@ def _launch_cfg(n_cols: int) -> tuple[int, int, int]:
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim "
-                         f"{x.shape[-1]}")
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} does not match last dim {x.shape[-1]}"
+        )
     if x.device != weight.device:
         raise ValueError("x and weight must be on the same device")
 
 
-def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-         out: torch.Tensor, res_out: torch.Tensor | None) -> None:
+def _run(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    res_out: torch.Tensor | None,
+) -> None:
     n_cols = x.shape[-1]
     xs, n_rows, inner, sx0, sx1 = _as_rows(x)
     os_, _, _, so0, so1 = _as_rows(out)
@@ -112,12 +136,28 @@ def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
     block_n, rows, num_warps = _launch_cfg(n_cols)
     grid = (triton.cdiv(n_rows, rows),)
     _rms_norm_kernel[grid](
-        xs, rs, w, os_, ros,
-        n_rows, inner, n_cols,
-        sx0, sx1, sr0, sr1, so0, so1, sro0, sro1,
+        xs,
+        rs,
+        w,
+        os_,
+        ros,
+        n_rows,
+        inner,
+        n_cols,
+        sx0,
+        sx1,
+        sr0,
+        sr1,
+        so0,
+        so1,
+        sro0,
+        sro1,
         float(eps),
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK_N=block_n,
-        num_warps=num_warps, **pdl_options(xs),
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        **pdl_options(xs),
     )
     if out.data_ptr() != os_.data_ptr():  # `out` needed a contiguous stand-in
         out.copy_(os_)
@@ -125,26 +165,31 @@ def _run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, e
         res_out.copy_(ros)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm of x [..., N] over the last dim; returns `out` (default: a new contiguous tensor
     of x's shape, dtype = promote(x.dtype, weight.dtype) as in torch)."""
     _check(x, weight)
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
-                          device=x.device)
+        out = torch.empty(
+            x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
+        )
     _run(x, None, weight, eps, out, None)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual), the sum rounded to x.dtype first. Inputs are
     not modified; both results are new contiguous tensors."""
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
-                         f"x {tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+            f"x {tuple(x.shape)} {x.dtype}"
+        )
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _run(x, residual, weight, eps, out, new_residual)

@@ -18,6 +18,7 @@ Two rules keep this safe, and every kernel launched through pdl_options must fol
 TAPSERVE_PDL=0 turns it off (A/B benchmarks; read once, at import); CPU tensors (the
 interpreter) and GPUs before Hopper never use it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     HAS_GDC = True
 except ImportError:  # an older Triton: plain launches
     HAS_GDC = False

@@ -16,6 +16,7 @@ returning k: one launch where rotary and the store took two.
 Grid: (T,). One program rotates every q and k head of one token; the grid depends only on T,
 so the launch is CUDA-graph capturable.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -24,13 +25,28 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.pdl import pdl_options, pdl_prologue
+from tapserve.model.kernels.pdl import pdl_options, pdl_prologue
 
 
 @triton.jit
-def _rotate_heads(src, dst, s_h, d_h, n_heads, cos1, sin1, cos2, sin2, w1, w2, eps,
-                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  NORM: tl.constexpr):
+def _rotate_heads(
+    src,
+    dst,
+    s_h,
+    d_h,
+    n_heads,
+    cos1,
+    sin1,
+    cos2,
+    sin2,
+    w1,
+    w2,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Rotate (and optionally RMS-normalize) the [n_heads, HEAD_DIM] tile of one token.
     src/dst point at the token's first head; s_h/d_h are the head strides."""
     offs_h = tl.arange(0, BLOCK_H)
@@ -63,13 +79,47 @@ def _rotate_heads(src, dst, s_h, d_h, n_heads, cos1, sin1, cos2, sin2, w1, w2, e
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, qw_ptr, kw_ptr,
-    v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cos, s_sin,
-    sv_t, sv_h, skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
-    n_q_heads, n_k_heads, eps,
-    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    qo_ptr,
+    ko_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    qw_ptr,
+    kw_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sqo_t,
+    sqo_h,
+    sko_t,
+    sko_h,
+    s_cos,
+    s_sin,
+    sv_t,
+    sv_h,
+    skc_b,
+    skc_s,
+    skc_h,
+    svc_b,
+    svc_s,
+    svc_h,
+    n_q_heads,
+    n_k_heads,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    PAGE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -90,29 +140,81 @@ def _rotary_kernel(
         qw2 = cos1
         kw1 = cos1
         kw2 = cos1
-    _rotate_heads(q_ptr + t * sq_t, qo_ptr + t * sqo_t, sq_h, sqo_h, n_q_heads,
-                  cos1, sin1, cos2, sin2, qw1, qw2, eps, HEAD_DIM, HALF, BLOCK_HQ, NORM)
+    _rotate_heads(
+        q_ptr + t * sq_t,
+        qo_ptr + t * sqo_t,
+        sq_h,
+        sqo_h,
+        n_q_heads,
+        cos1,
+        sin1,
+        cos2,
+        sin2,
+        qw1,
+        qw2,
+        eps,
+        HEAD_DIM,
+        HALF,
+        BLOCK_HQ,
+        NORM,
+    )
     if STORE:  # k and v go to the token's cache slot; a slot < 0 masks every head
         slot = tl.load(slot_ptr + t).to(tl.int64)
         live = tl.where(slot >= 0, n_k_heads, 0)
         slot = tl.maximum(slot, 0)
         k_dst = kc_ptr + (slot // PAGE) * skc_b + (slot % PAGE) * skc_s
-        _rotate_heads(k_ptr + t * sk_t, k_dst, sk_h, skc_h, live,
-                      cos1, sin1, cos2, sin2, kw1, kw2, eps, HEAD_DIM, HALF, BLOCK_HK, NORM)
+        _rotate_heads(
+            k_ptr + t * sk_t,
+            k_dst,
+            sk_h,
+            skc_h,
+            live,
+            cos1,
+            sin1,
+            cos2,
+            sin2,
+            kw1,
+            kw2,
+            eps,
+            HEAD_DIM,
+            HALF,
+            BLOCK_HK,
+            NORM,
+        )
         offs_h = tl.arange(0, BLOCK_HK)
         offs_v = tl.arange(0, HEAD_DIM)
         v_mask = offs_h[:, None] < live
         v = tl.load(v_ptr + t * sv_t + offs_h[:, None] * sv_h + offs_v[None, :], mask=v_mask)
         v_dst = vc_ptr + (slot // PAGE) * svc_b + (slot % PAGE) * svc_s
-        tl.store(v_dst + offs_h[:, None] * svc_h + offs_v[None, :],
-                 v.to(vc_ptr.dtype.element_ty), mask=v_mask)
+        tl.store(
+            v_dst + offs_h[:, None] * svc_h + offs_v[None, :],
+            v.to(vc_ptr.dtype.element_ty),
+            mask=v_mask,
+        )
     else:
-        _rotate_heads(k_ptr + t * sk_t, ko_ptr + t * sko_t, sk_h, sko_h, n_k_heads,
-                      cos1, sin1, cos2, sin2, kw1, kw2, eps, HEAD_DIM, HALF, BLOCK_HK, NORM)
+        _rotate_heads(
+            k_ptr + t * sk_t,
+            ko_ptr + t * sko_t,
+            sk_h,
+            sko_h,
+            n_k_heads,
+            cos1,
+            sin1,
+            cos2,
+            sin2,
+            kw1,
+            kw2,
+            eps,
+            HEAD_DIM,
+            HALF,
+            BLOCK_HK,
+            NORM,
+        )
 
 
 class KVStore(NamedTuple):
     """Where the fused kernel writes k and v: `model.attention.store_kv`'s arguments."""
+
     v: torch.Tensor  # [T, Hkv, D], last dim contiguous (may be a view of a fused QKV output)
     k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], last dim contiguous
     v_cache: torch.Tensor
@@ -125,16 +227,25 @@ def _prep(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            positions: torch.Tensor, q_weight: torch.Tensor | None,
-            k_weight: torch.Tensor | None, eps: float, store: KVStore | None = None,
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    store: KVStore | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     q, k = _prep(q, "q"), _prep(k, "k")
     t, n_q, d = q.shape
     n_k = k.shape[1]
     if k.shape[0] != t or k.shape[2] != d or positions.shape != (t,):
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
-                         f"{tuple(positions.shape)} do not agree")
+        raise ValueError(
+            f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+            f"{tuple(positions.shape)} do not agree"
+        )
     if d % 2 or d & (d - 1):
         raise ValueError(f"head_dim {d} must be an even power of two")
     if cos.shape[-1] != d or sin.shape[-1] != d:
@@ -158,16 +269,41 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     num_warps = 1 if tile <= 1024 else 2 if tile <= 4096 else 4
     v, k_cache, v_cache, slots = store if store is not None else (k, k_out, k_out, positions)
     _rotary_kernel[(t,)](
-        q, k, q_out, k_out, cos, sin, positions,
-        q_weight if norm else cos, k_weight if norm else cos, v, k_cache, v_cache, slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), *(k_out.stride() if store is None else (0, 0))[:2],
-        cos.stride(0), sin.stride(0),
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        positions,
+        q_weight if norm else cos,
+        k_weight if norm else cos,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        *(k_out.stride() if store is None else (0, 0))[:2],
+        cos.stride(0),
+        sin.stride(0),
         *_store_strides(store),
-        n_q, n_k, float(eps),
-        HEAD_DIM=d, HALF=d // 2, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, NORM=norm,
-        STORE=store is not None, PAGE=k_cache.shape[1] if store is not None else 1,
-        num_warps=num_warps, **pdl_options(q),
+        n_q,
+        n_k,
+        float(eps),
+        HEAD_DIM=d,
+        HALF=d // 2,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        NORM=norm,
+        STORE=store is not None,
+        PAGE=k_cache.shape[1] if store is not None else 1,
+        num_warps=num_warps,
+        **pdl_options(q),
     )
     return q_out, k_out
 
@@ -177,16 +313,23 @@ def _check_store(k: torch.Tensor, store: KVStore) -> None:
     if store.v.shape != k.shape:
         raise ValueError(f"v {tuple(store.v.shape)} does not match k {tuple(k.shape)}")
     cache_shape = store.k_cache.shape
-    if (store.v_cache.shape != cache_shape or len(cache_shape) != 4
-            or tuple(cache_shape[2:]) != (n_k, d)):
-        raise ValueError(f"caches {tuple(cache_shape)}, {tuple(store.v_cache.shape)} are not "
-                         f"[blocks, block_size, {n_k}, {d}]")
+    if (
+        store.v_cache.shape != cache_shape
+        or len(cache_shape) != 4
+        or tuple(cache_shape[2:]) != (n_k, d)
+    ):
+        raise ValueError(
+            f"caches {tuple(cache_shape)}, {tuple(store.v_cache.shape)} are not "
+            f"[blocks, block_size, {n_k}, {d}]"
+        )
     if store.k_cache.stride(-1) != 1 or store.v_cache.stride(-1) != 1:
         raise ValueError("the caches' last dim must be contiguous")
     if store.k_cache.dtype != k.dtype or store.v_cache.dtype != store.v.dtype:
         # rotary then store rounds k to its dtype first: one rounding here would differ
-        raise ValueError(f"cache dtypes {store.k_cache.dtype}, {store.v_cache.dtype} differ "
-                         f"from k, v ({k.dtype}, {store.v.dtype})")
+        raise ValueError(
+            f"cache dtypes {store.k_cache.dtype}, {store.v_cache.dtype} differ "
+            f"from k, v ({k.dtype}, {store.v.dtype})"
+        )
     if store.slot_mapping.shape[0] < t:
         raise ValueError(f"{store.slot_mapping.shape[0]} slots for {t} tokens")
 
@@ -198,31 +341,53 @@ def _store_strides(store: KVStore | None) -> tuple[int, ...]:
     return (*store.v.stride()[:2], *store.k_cache.stride()[:3], *store.v_cache.stride()[:3])
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of q [T, H, D] and k [T, Hkv, D] at positions [T] (int32/int64) from the fp32
     caches cos/sin [max_pos, D]. Returns new contiguous (q_rot, k_rot) in the input dtypes."""
     return _launch(q, k, cos, sin, positions, None, None, 0.0)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3: per-head RMSNorm of q and k (weights [D], one eps) followed by RoPE, in one
     kernel; equal to rotary(rms_norm(q), rms_norm(k)). Returns new contiguous tensors."""
     return _launch(q, k, cos, sin, positions, q_weight, k_weight, eps)
 
 
-def rotary_store(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 positions: torch.Tensor, store: KVStore) -> torch.Tensor:
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    store: KVStore,
+) -> torch.Tensor:
     """apply_rotary, with the rotated k and store.v written into the paged KV cache (as
     `store_kv`) instead of returned: returns q_rot only."""
     return _launch(q, k, cos, sin, positions, None, None, 0.0, store)[0]
 
 
-def qk_norm_rotary_store(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                         k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
-                         sin: torch.Tensor, positions: torch.Tensor, store: KVStore) -> torch.Tensor:
+def qk_norm_rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    store: KVStore,
+) -> torch.Tensor:
     """qk_norm_rotary, with the result's k and store.v written into the paged KV cache (as
     `store_kv`) instead of returned: returns q only."""
     return _launch(q, k, cos, sin, positions, q_weight, k_weight, eps, store)[0]

@@ -28,6 +28,7 @@ a win whatever the logit).
 For rows that sample with a temperature alone (no top-k, top-p or min-p); torch does the rest
 (coordinator/sampler.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,18 @@ def _keyed_hash(x, key):
 # runtime ints, never constexpr: a seed, chunk or split count of 1 (or one divisible by 16)
 # would otherwise compile a variant of its own, and the batch size sets chunk and splits
 @triton.jit(do_not_specialize=["seed", "chunk", "splits"])
-def _chunk_best_kernel(logits_ptr, stride, inv_temp, part_ptr, vocab, chunk, splits, seed,
-                       PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_best_kernel(
+    logits_ptr,
+    stride,
+    inv_temp,
+    part_ptr,
+    vocab,
+    chunk,
+    splits,
+    seed,
+    PER_ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Pass 1, program (row, split): over columns [split * chunk, (split + 1) * chunk) of the
     row, the highest score and the first column holding it, to part_ptr [rows, splits, 2]
     int32 (the score's float32 bits, the column; -inf and 0 if no score beats -inf).
@@ -117,8 +128,14 @@ def _split(rows: int, vocab: int, block: int, splits: int | None) -> tuple[int, 
     return triton.cdiv(blocks, per_chunk), per_chunk * block
 
 
-def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float], seed: int,
-                  *, _splits: int | None = None, _block: int = _BLOCK) -> torch.Tensor:
+def gumbel_sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor | list[float],
+    seed: int,
+    *,
+    _splits: int | None = None,
+    _block: int = _BLOCK,
+) -> torch.Tensor:
     """One token per row of logits [rows, vocab] (any float dtype, last dim contiguous),
     drawn from softmax(logits / temperature); temperatures [rows] > 0. int64 [rows].
     A list of equal temperatures (the usual batch) travels as one float: no tensor, no copy.
@@ -144,14 +161,30 @@ def gumbel_sample(logits: torch.Tensor, temperatures: torch.Tensor | list[float]
     return out
 
 
-def _launch(logits: torch.Tensor, inv_temp: torch.Tensor | float, out: torch.Tensor, seed: int,
-            splits: int | None, block: int) -> None:
+def _launch(
+    logits: torch.Tensor,
+    inv_temp: torch.Tensor | float,
+    out: torch.Tensor,
+    seed: int,
+    splits: int | None,
+    block: int,
+) -> None:
     """Both passes; the scratch [rows, splits, 2] is allocated per call (a few KB)."""
     rows, vocab = logits.shape
     block = min(block, max(4, triton.next_power_of_2(vocab)))
     splits, chunk = _split(rows, vocab, block, splits)
     part = torch.empty((rows, splits, 2), dtype=torch.int32, device=logits.device)
-    _chunk_best_kernel[(rows, splits)](logits, logits.stride(0), inv_temp, part, vocab, chunk,
-                                       splits, seed, PER_ROW=not isinstance(inv_temp, float),
-                                       BLOCK=block, num_warps=8 if block >= _BLOCK else 4)
+    _chunk_best_kernel[(rows, splits)](
+        logits,
+        logits.stride(0),
+        inv_temp,
+        part,
+        vocab,
+        chunk,
+        splits,
+        seed,
+        PER_ROW=not isinstance(inv_temp, float),
+        BLOCK=block,
+        num_warps=8 if block >= _BLOCK else 4,
+    )
     _pick_kernel[(rows,)](part, out, vocab, splits, MAX_SPLITS=_MAX_SPLITS, num_warps=1)

@@ -9,24 +9,43 @@ Grid: (T,). One program copies one token's [num_kv_heads, head_dim] tile of both
 grid depends only on T, so the launch is CUDA-graph capturable. Values are cast to the cache
 dtype on store.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.pdl import pdl_options, pdl_prologue
+from tapserve.model.kernels.pdl import pdl_options, pdl_prologue
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    num_kv_heads, head_dim,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    num_kv_heads,
+    head_dim,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -43,10 +62,20 @@ def _store_kv_kernel(
 
     src_k = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd
     src_v = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd
-    dst_k = (k_cache_ptr + block * stride_kcb + offset * stride_kcs
-             + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd)
-    dst_v = (v_cache_ptr + block * stride_vcb + offset * stride_vcs
-             + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd)
+    dst_k = (
+        k_cache_ptr
+        + block * stride_kcb
+        + offset * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :] * stride_kcd
+    )
+    dst_v = (
+        v_cache_ptr
+        + block * stride_vcb
+        + offset * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :] * stride_vcd
+    )
 
     k = tl.load(src_k, mask=mask, other=0.0)
     v = tl.load(src_v, mask=mask, other=0.0)
@@ -54,8 +83,13 @@ def _store_kv_kernel(
     tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write k, v [T, num_kv_heads, head_dim] into k_cache / v_cache at slot_mapping [T].
 
     slot_mapping holds flat slots (int32 or int64); negative slots are skipped. k and v may be
@@ -72,9 +106,20 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        num_kv_heads, head_dim,
-        PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 2, **pdl_options(k),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        num_kv_heads,
+        head_dim,
+        PAGE=k_cache.shape[1],
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 2,
+        **pdl_options(k),
     )

@@ -1,4 +1,5 @@
 """Small helpers shared by the Triton kernels (no Triton import, so cheap to load)."""
+
 from __future__ import annotations
 
 import torch
