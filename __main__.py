@@ -4,4 +4,5 @@ import sys
 
 from tapserve.launch import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (run by -m; importing it starts nothing)
+    sys.exit(main())

@@ -119,6 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Jinja chat template file, or the template itself (default: the tokenizer's)",
     )
     a(
+        "--split-special-tokens-in-messages",
+        action="store_true",
+        help="tokenize special-token text typed inside chat message content (a user's "
+        "'<|im_end|>') as plain text, so that it cannot forge a role boundary; the chat "
+        "template's own special tokens stay special (default: as vLLM, such text is the "
+        "special token)",
+    )
+    a(
         "--generation-config",
         default="auto",
         help="sampling defaults for fields a request leaves out: auto (the model folder's "
@@ -130,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-requests",
         action="store_true",
         help="log each request's id, path, token counts, params and finish (never its text)",
+    )
+    a(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="log level of every process (debug adds each 605 a custom selector raises)",
     )
     a("--prompt", help="generate once for this prompt, print it and exit (no server)")
     a("--max-new-tokens", type=int, default=32, help="with --prompt")
@@ -240,7 +254,7 @@ def exit_started_rank(message: str | int) -> NoReturn:
 
 def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int:
     """Run this rank; tokenizer: rank 0's, from check_before_loading."""
-    from tapserve.coordinator.config import start_rank
+    from tapserve.coordinator.startup import start_rank
     from tapserve.model.layers import ParallelLayoutError
     from tapserve.ranks.group import shutdown_distributed
     from tapserve.ranks.runner import RankAgreedError
@@ -272,8 +286,8 @@ def driver_engine(config: EngineConfig, runner, channel, tokenizer):
     with the stop plan and ends this one with its message. With a custom head, the API's
     tokenizer (checked before loading) serves rank 0 too: it detects the stop strings of
     LAST_GENERATED requests (coordinator/stop_strings.py)."""
-    from tapserve.coordinator.config import build_engine, stop_group
     from tapserve.coordinator.loop import FAILED_STOP_SECONDS
+    from tapserve.coordinator.startup import build_engine, stop_group
 
     try:
         return build_engine(config, runner, channel, tokenizer if config.custom_module else None)
@@ -318,8 +332,14 @@ def log_what_is_served(config: EngineConfig, engine) -> None:
     )
 
 
+def _labels(handler: object | None) -> str | list[str] | None:
+    """The custom head's labels for the API process (checked at start-up: check_labels)."""
+    labels = getattr(handler, "labels", None)
+    return list(labels) if isinstance(labels, (list, tuple)) else labels
+
+
 def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
-    from tapserve.api.server import ApiConfig
+    from tapserve.api.config import ApiConfig
     from tapserve.coordinator.loop import CoordinatorLoop, LoopSettings
 
     group_dir = os.path.dirname(os.environ.get(STORE_ENV, "")) or None  # local launcher's
@@ -347,10 +367,13 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             max_queued_requests=args.max_queued_requests,
             max_model_len=engine.options.max_model_len,
             chat_template=args.chat_template,
+            split_special_tokens_in_messages=args.split_special_tokens_in_messages,
+            custom_output_labels=_labels(engine.handler),
             sampling_defaults=args.sampling_defaults,
             eos_token_ids=tuple(engine.options.eos_token_ids),
             model_vocab_size=engine.runner.model_cfg.vocab_size,
             log_requests=args.log_requests,
+            log_level=args.log_level,
             parent_pid=os.getpid(),
         )  # not the API's own getppid(): rank 0 may be gone by then
         # a session of its own: torchrun stops a worker with killpg, and that SIGTERM is
@@ -386,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     with errors_once_per_node():  # what fails before the ranks start fails alike on each
         args = parse_args(argv)
+        logging.getLogger().setLevel(args.log_level.upper())
         started = prepare(args, argv)
     if isinstance(started, int):  # the local group's or --prompt's exit status
         return started

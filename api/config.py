@@ -10,6 +10,7 @@ the private 0700 ipc dir) and passes `--api-key-file`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -41,6 +42,12 @@ class ApiConfig:
     max_num_seqs: int = 256  # the engine's running-request limit
     max_queued_requests: int = 1024  # engine requests beyond max_num_seqs before 503
     chat_template: str | None = None  # file (or inline template) overriding the tokenizer's
+    # special-token text inside chat message content tokenizes as plain text (by default, as
+    # vLLM's, it is the special token); the template's own special tokens stay special
+    split_special_tokens_in_messages: bool = False
+    # the custom head's labels (its handler's `labels`, checked at start-up): one name for a
+    # [rows] output, one per column of a [rows, width] one; None: it declares none
+    custom_output_labels: str | list[str] | None = None
     # "name=value" sampling defaults for fields a request leaves out (generation_config.json)
     sampling_defaults: tuple[str, ...] = ()
     log_requests: bool = False
@@ -108,6 +115,8 @@ class ApiConfig:
             if f.name == "api_key":
                 if value:
                     argv += ["--api-key-file", self._write_key_file(value)]
+            elif f.name == "custom_output_labels":  # (JSON: a label may hold a comma)
+                argv += [f"{flag}={json.dumps(value)}"] if value is not None else []
             elif isinstance(value, bool):
                 argv += [flag] if value else []
             elif isinstance(value, tuple):  # (flag=value: a value may start with "-")
@@ -167,6 +176,8 @@ def _parser() -> argparse.ArgumentParser:
         "--sampling-defaults", default=(), type=lambda text: tuple(t for t in text.split(",") if t)
     )
     p.add_argument("--log-requests", action="store_true")
+    p.add_argument("--split-special-tokens-in-messages", action="store_true")
+    p.add_argument("--custom-output-labels", type=json.loads, default=None)
     p.add_argument("--api-key", default=None, help="prefer --api-key-file or $TAPSERVE_API_KEY")
     p.add_argument("--api-key-file", default=None)
     return p

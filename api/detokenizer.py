@@ -1,15 +1,9 @@
 """Incremental detokenization of one sequence, UTF-8 safe, with stop strings.
 
-Text is produced by decoding a small window of token ids twice (the window's already-read
-prefix and the whole window) and taking the difference, like TGI and vLLM: byte-level BPE
-tokens that end inside a multi-byte character decode to U+FFFD and are held back until the
-character completes, so a stream never carries broken UTF-8. The window starts on the last
-prompt tokens, so a leading space of the first output token comes out right.
-
-Stop strings: the first occurrence in the output text ends the sequence (finish_reason
-"stop"); the text is cut before it, or after it with `include_stop_str_in_output`. While
-streaming, the last `max(len(stop)) - 1` characters are held back (unless the stop string is
-to be included) so a client never sees the start of a stop string that is later cut.
+Text is the difference of two decodes of a small window of ids, as in TGI and vLLM; tokens
+ending inside a character are held back until it completes, so a stream never carries broken
+UTF-8. The first stop string in the output ends the sequence and cuts the text; while
+streaming, its possible start is held back.
 """
 
 from __future__ import annotations
@@ -43,8 +37,7 @@ def _utf8_length(lead: int) -> int:
 
 def _open_character_bytes(data: bytes) -> int:
     """How many bytes at the end of data begin a UTF-8 character that more bytes could
-    complete (a lead byte and the continuation bytes after it, fewer than it needs); 0 when
-    data does not end so."""
+    complete; 0 when none do."""
     for back in range(1, min(4, len(data) + 1)):
         byte = data[-back]
         if 0x80 <= byte < 0xC0:
@@ -59,15 +52,11 @@ def _open_character_bytes(data: bytes) -> int:
 
 
 class TextOffsets:
-    """Where each token's text begins in the text of a sequence of tokens, from the tokens'
-    bytes (OpenAI's text_offset), counting characters as a tokenizer's decode writes them:
-    UTF-8, with one U+FFFD for each maximal run of bytes that does not make a character.
-    The tokens of one character all start where it does; a token after bytes that never
-    made a character starts after their U+FFFD."""
+    """Where each token's text begins (OpenAI's text_offset), from the tokens' bytes, counting
+    characters as decode writes them: one U+FFFD for each maximal run of invalid bytes."""
 
     def __init__(self, prompt_open: bytes = b"") -> None:
-        """prompt_open: the first bytes of a character the prompt leaves unfinished; output
-        bytes that finish it (or its U+FFFD) are the prompt's text, not the output's."""
+        """prompt_open: the bytes of a character the prompt leaves unfinished (the prompt's)."""
         self._pending = prompt_open  # an unfinished character's bytes so far
         self._owned = bool(prompt_open)  # ... and they are the prompt's
         self._chars = 0  # characters before them
@@ -103,7 +92,7 @@ class TextOffsets:
             self._chars += 1  # a character, or a U+FFFD for a byte no character begins with
 
     def _end_pending(self) -> None:
-        """The unfinished character is done (a character, or a U+FFFD for its bytes)."""
+        """The unfinished character is done."""
         self._chars += not self._owned
         self._pending, self._owned = b"", False
 
@@ -120,12 +109,8 @@ class Decoder(Protocol):
 
 
 def prompt_context(decoder: Decoder, prompt_ids: list[int]) -> list[int]:
-    """The prompt tokens a sequence's decoding window starts with: the last PROMPT_CONTEXT,
-    and up to 3 more (a character has at most 4 bytes) so that the window does not start in
-    the middle of a character. A SentencePiece byte-fallback run decodes as a whole: a run
-    cut after its first byte is invalid UTF-8, and every byte of it, the output's included,
-    would decode as U+FFFD (an outside tester's find). Decoders without `text_bytes` (a
-    token's bytes in the decoded text, api.tokenizer.TextTokenizer) keep PROMPT_CONTEXT."""
+    """The prompt tokens a sequence's decoding window starts with: the last PROMPT_CONTEXT, and
+    up to 3 more (with a decoder that has `text_bytes`) so it does not start inside a character."""
     start = max(0, len(prompt_ids) - PROMPT_CONTEXT)
     text_bytes = getattr(decoder, "text_bytes", None)
     if text_bytes is not None:
@@ -141,8 +126,7 @@ def prompt_context(decoder: Decoder, prompt_ids: list[int]) -> list[int]:
 class StopChecker:
     stop: list[str] = field(default_factory=list)
     include_stop_str: bool = False
-    # as vLLM: stop strings are looked for only once the output has more tokens than this,
-    # in the text new since then (with the overlap a stop string needs)
+    # as vLLM: stop strings count only once the output has more tokens than this
     min_tokens: int = 0
     matched: str | None = None  # the stop string of the last cut `find` returned
 
@@ -154,8 +138,7 @@ class StopChecker:
         return max(len(s) for s in self.stop) - 1
 
     def find(self, text: str, new_from: int) -> int | None:
-        """Where the text must be cut if a stop string occurs in it (searching only where the
-        text changed since `new_from`), else None."""
+        """Where the text must be cut for a stop string at or after `new_from`, else None."""
         best: tuple[int, int] | None = None
         for s in self.stop:
             if not s:
@@ -192,8 +175,7 @@ class IncrementalDetokenizer:
         self._ends: list[int] = []  # len(text) after each consumed token (before any cut)
 
     def add_tokens(self, token_ids: list[int]) -> int:
-        """Consume new token ids; returns how many were used (fewer once a stop string
-        matched: later tokens belong to text that is cut away)."""
+        """Consume new token ids; returns how many were used (none after a stop string)."""
         used = 0
         for token in token_ids:
             if self.stopped:
@@ -210,8 +192,7 @@ class IncrementalDetokenizer:
         return used
 
     def _cut_at_stop(self, new_from: int) -> None:
-        """Cut the text at a stop string in what changed since new_from, if any, once past
-        the stop checker's min_tokens."""
+        """Cut the text at a stop string in what changed since new_from, past min_tokens."""
         if self.num_tokens <= self.stop.min_tokens:
             return
         cut = self.stop.find(self.text, new_from)
@@ -220,10 +201,8 @@ class IncrementalDetokenizer:
 
     @property
     def kept_tokens(self) -> int:
-        """Output tokens up to the one that produced the last kept character, after a stop-
-        string cut (0 when nothing is kept). An upper bound: characters held for an
-        incomplete UTF-8 sequence are credited to the token that completed or broke it
-        (coordinator/stop_strings.py settles the exact count by decoding)."""
+        """Output tokens up to the one that produced the last kept character (an upper bound
+        after a stop-string cut; 0 when nothing is kept)."""
         if not self.stopped:
             return self.num_tokens
         return bisect.bisect_left(self._ends, len(self.text)) + 1 if self.text else 0
@@ -250,14 +229,8 @@ class IncrementalDetokenizer:
         return self.decoder.decode(self._ids[self._prefix_offset : end], self.skip_special_tokens)
 
     def _without_open_tail(self, end: int, full: str) -> tuple[int, str]:
-        """When giving up on held tokens: keep back the last of them if their bytes end in
-        a character's first bytes, which the next token may complete (flushed, their U+FFFD
-        would stand for good and the completed character be lost); the text before them
-        goes out. The cut goes back to where the text up to it is final (a token that
-        completes one character and opens the next is no such place); nothing goes out when
-        the character open is the first held token's (skipped special tokens after it show
-        nothing). Only for a byte-level BPE decoder (TextTokenizer.byte_level), whose
-        decode of a window may end inside a character and go on."""
+        """When giving up on held tokens (byte-level BPE only): the end and text that keep back
+        the last held tokens whose bytes open a character the next token may complete."""
         if not getattr(self.decoder, "byte_level", False):  # (a SentencePiece byte run
             return end, full  # decodes as a whole: cut, it would read differently)
         last = self._held_bytes(end)
@@ -280,11 +253,8 @@ class IncrementalDetokenizer:
             self._append_last(self._decode_step(final=True))
 
     def drop_held(self) -> None:
-        """The sequence ends on a token whose text is left out (a stop token id): a held
-        character left open (its first bytes, one U+FFFD at the text's end) is dropped, not
-        flushed by finish(), since the token left out might have completed it (as vLLM drops
-        that token's whole text); the held text before it goes out, as finish() writes it.
-        A SentencePiece byte run decodes as a whole: all of it is dropped."""
+        """The sequence ends on a token whose text is left out: flush the held text, except a
+        character left open, which is dropped (as vLLM does)."""
         end = len(self._ids)
         if self.stopped or self._read_offset >= end:
             return
@@ -296,8 +266,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
 
     def _held_bytes(self, end: int) -> list[bytes]:
-        """Each held token's bytes (up to end) as the decoded text shows them: none for a
-        special token it skips."""
+        """Each held token's bytes up to end (none for a skipped special token)."""
         skipped = getattr(self.decoder, "special_ids", ()) if self.skip_special_tokens else ()
         return [
             b"" if t in skipped else self.decoder.token_bytes(t)

@@ -1,15 +1,8 @@
 """The API process's ZeroMQ client of the rank-0 coordinator.
 
-Two sockets, both connected (the coordinator binds them in its private 0700 temp dir):
-PUSH -> `ipc://{ipc_dir}/to_engine` (AddRequest, AbortRequest, DrainRequest) and
-PULL <- `ipc://{ipc_dir}/from_engine` (Outputs, EngineStats, Shutdown).
-One asyncio task reads from_engine and routes each RequestOutput to its request's asyncio
-queue; sends never block (unbounded send queue), so the coordinator never waits on the API.
-
-Contract with the coordinator: every AddRequest is answered first by a RequestOutput with
-accepted=True (no tokens) or accepted=False + error_code + finished=True; later outputs carry
-tokens; the last has finished=True. Request ids are unique for the server's lifetime
-(a random per-start prefix plus a counter).
+PUSH to `to_engine`, PULL from `from_engine` in the coordinator's ipc_dir; one reader task
+routes each RequestOutput to its request's queue, and sends never block. Every AddRequest is
+answered first by an accept or a reject (finished), then by outputs until one is finished.
 """
 
 from __future__ import annotations
@@ -37,8 +30,7 @@ _UNENCODABLE = (UnicodeEncodeError, RecursionError, OverflowError, ValueError, T
 
 
 def _encode(request: wire.AddRequest) -> bytes:
-    """The request's wire bytes; a 605 naming the field that msgpack cannot carry (an integer
-    beyond 64 bits, text that is not valid Unicode, custom_output_params nested too deeply)."""
+    """The request's wire bytes; a 605 naming the field that msgpack cannot carry."""
     try:
         return wire.encode(request)
     except _UNENCODABLE as e:
@@ -55,8 +47,7 @@ def _encode(request: wire.AddRequest) -> bytes:
 
 
 def _unencodable_field(request: wire.AddRequest) -> str | None:
-    """The first of custom_output_params and the sampling fields (stop, seed, logit_bias...)
-    that msgpack refuses, by its request name; None if each packs alone."""
+    """The first request field that msgpack refuses; None if each packs alone."""
     fields = [
         ("custom_output_params", request.custom_output_params),
         *request.sampling_params.items(),
@@ -73,8 +64,7 @@ class EngineError(Exception):
     """A request refused or failed by the engine (605 / 606) or the engine gone (503)."""
 
     def __init__(self, code: int, message: str, param: str | None = None):
-        """param: the request field at fault, by the engine's names (wire.RequestOutput's
-        error_param)."""
+        """param: the request field at fault (wire.RequestOutput.error_param)."""
         super().__init__(message)
         self.code = code
         self.message = message
@@ -86,10 +76,7 @@ ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
 
 @dataclass
 class RequestGroup:
-    """The engine requests behind one HTTP request (one per prompt), sharing one queue.
-
-    `accepted()` waits for every request's accept-or-reject answer; `batches()` then yields
-    the RequestOutputs of all of them, in arrival order, until each is finished."""
+    """The engine requests behind one HTTP request (one per prompt), sharing one queue."""
 
     client: EngineClient
     request_ids: list[str]
@@ -134,9 +121,7 @@ class RequestGroup:
         return item
 
     async def batches(self):
-        """Yield lists of outputs until every request of the group is finished: each list
-        holds everything queued at that moment, so a reader that fell behind catches up in
-        one go (fewer, larger stream chunks) instead of lagging further."""
+        """Yield lists of outputs, each all that is queued, until every request is finished."""
         if self._buffered:
             batch, self._buffered = self._buffered, []
             yield batch
@@ -240,8 +225,7 @@ class EngineClient:
         return group
 
     def request_drain(self, signum: int, signal_time: float) -> None:
-        """Ask the coordinator to drain, as a signal to rank 0 at signal_time (time.monotonic)
-        would."""
+        """Ask the coordinator to drain as a signal to rank 0 at signal_time would."""
         self._push.send(wire.encode(wire.DrainRequest(signum, signal_time)), zmq.NOBLOCK)
 
     def abort(self, request_id: str) -> None:
@@ -256,8 +240,7 @@ class EngineClient:
                 del self._routes[rid]
 
     def stop_accepting(self, message: str) -> None:
-        """Without the engine: a request arriving from now on gets the 503 at once, and every
-        request in flight gets its final answer now, a 503 with message."""
+        """Answer every request in flight, and every later one, with a 503 and message."""
         self.shutting_down = True
         self.fail_all(EngineError(ENGINE_DOWN, message))
 

@@ -1,10 +1,7 @@
 """Error answers of the API process, in the two envelopes of DESIGN.md "Errors".
 
-OpenAI endpoints (`/v1/...`): `{"error": {"message", "type", "param", "code"}}` with `code` a
-string such as "605_INVALID_PARAMS". Native endpoints: `{"error_code": 605,
-"error_code_str": "605_INVALID_PARAMS", "message": ...}`. Engine codes map to HTTP statuses
-605 -> 400 and 606 -> 500; HTTP-level errors (401, 404, 413, 503) carry their status as the
-native error_code.
+Engine codes map to HTTP statuses 605 -> 400 and 606 -> 500; HTTP-level errors carry their
+status as the native error_code.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ class ApiError(Exception):
     param: str | None = None
 
     def __post_init__(self) -> None:
-        # client text quoted in a message (a model name, a stop string) may hold a lone
-        # surrogate, which no JSON response can encode: the answer would become a plain 500
+        # quoted client text may hold a lone surrogate, which no JSON response can encode
         self.message = _encodable(self.message)
         self.param = None if self.param is None else _encodable(self.param)
 
@@ -99,8 +95,7 @@ def error_response(error: ApiError, path: str) -> JSONResponse:
     return JSONResponse(error_body(error, path), status_code=error.status)
 
 
-# where a stream that failed after it started notes its error's HTTP status, in the ASGI
-# scope's "state": its response began as a 200, and the request metrics count the failure
+# the ASGI scope "state" key of a failed stream's HTTP status (its response began as a 200)
 STREAM_ERROR_STATUS = "tapserve_stream_error_status"
 
 
@@ -112,8 +107,7 @@ def sse_error_event(error: ApiError, path: str, scope: dict | None = None) -> st
     return f"data: {json.dumps(error_body(error, path))}\n\n"
 
 
-# pydantic names the member of a union it tried in the location ("stop.str",
-# "stop.list[str].0"): that is the schema's wording, not the client's field
+# pydantic names the union member it tried in the location ("stop.str"): not a field
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|[a-z-]+\[.*)$")
 
 

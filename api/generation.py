@@ -1,12 +1,8 @@
 """One HTTP request's generation state: engine outputs -> per-choice text deltas.
 
-An HTTP request holds one engine request per prompt; prompt p's sequence i is the client's
-choice `p * n + i`. For each choice this keeps an incremental detokenizer (stop strings
-included), the kept token ids and logprobs, and the finish reason; a choice cut by a stop
-string ignores later tokens, and once every choice of a prompt is done that way its engine
-request is aborted. When the coordinator detects the request's stop strings itself
-(`engine_stop_strings`: it scores the last kept token, LAST_GENERATED), a cut choice instead
-waits for its sequence's final output, which carries the value. Engine errors after the accept answer raise EngineError.
+Prompt p's sequence i is the client's choice `p * n + i`. A choice cut by a stop string
+ignores later tokens, and a prompt whose choices are all cut is aborted (with
+`engine_stop_strings` it waits for the final output instead). Engine errors raise EngineError.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[list]] = field(default_factory=list)
     finish_reason: str | None = None
-    # vLLM's: the stop string or stop token id that ended the choice; None for an EOS, the
-    # length limit and the rest
+    # vLLM's: the stop string or stop token id that ended the choice, else None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     offsets: list[int] = field(default_factory=list)  # each token's text_offset, uncut
@@ -66,14 +61,17 @@ class Choice:
         return self.detok.text
 
     @property
+    def custom_output_omitted(self) -> str | None:
+        """Why the choice has no value ("prefix_reuse"), or None."""
+        return None if self.custom_output is not None else self.prompt.custom_output_omitted
+
+    @property
     def text_offsets(self) -> list[int]:
-        """Where each token's text begins in self.text (a token past a stop-string cut: at
-        its end)."""
+        """Where each token's text begins in self.text, at most its end."""
         return [min(offset, len(self.text)) for offset in self.offsets]
 
     def encoded_value(self, encoding: str) -> Any:
-        """The choice's value as sent to clients: its own (LAST_GENERATED) or else its
-        prompt's; None when absent."""
+        """The choice's value as sent to clients, its own or else its prompt's (None if absent)."""
         if self.custom_output is None:
             return self.prompt.encoded_value(encoding)
         if encoding not in self._encoded:
@@ -89,6 +87,8 @@ class PromptState:
     first_index: int
     choices: dict[int, Choice] = field(default_factory=dict)
     custom_output: dict | None = None
+    # why a selected prompt position has no value ("prefix_reuse"); None otherwise
+    custom_output_omitted: str | None = None
     num_cached_tokens: int = 0
     engine_finished: bool = False
     _encoded: dict[str, Any] = field(default_factory=dict)  # encoding -> client value
@@ -152,8 +152,7 @@ class Generation:
     ):
         self.tokenizer, self.group, self.metrics = tokenizer, group, metrics
         self.eos_token_ids = eos_token_ids
-        # the model's own EOS as vLLM takes it, the tokenizer's (None without one): the only
-        # EOS without a stop_reason; vLLM makes the generation config's others stop ids
+        # as vLLM: the tokenizer's EOS is the only EOS without a stop_reason
         self.primary_eos = tokenizer.eos_token_id
         self.prompts: dict[str, PromptState] = {}
         first = 0
@@ -172,6 +171,7 @@ class Generation:
         if out.custom_output is not None:
             state.set_custom_output(out.custom_output)
         state.num_cached_tokens = out.num_cached_tokens or state.num_cached_tokens
+        state.custom_output_omitted = out.custom_output_omitted or state.custom_output_omitted
         deltas = [self._apply_sequence(state, s) for s in out.sequences]
         deltas = [d for d in deltas if d is not None]
         if out.finished:
@@ -204,11 +204,8 @@ class Generation:
         if choice.finish_reason is not None:
             return None
         ids, p = seq.new_token_ids, state.params
-        # a stop token id, or an EOS that ends the sequence, ends the text before its own
-        # text, unless include_stop_str_in_output (as vLLM; an EOS shows text only with
-        # skip_special_tokens off); the token still counts (usage, logprobs). Decided by the
-        # token, not by the finish: a sequence whose last token is scored (LAST_GENERATED)
-        # finishes in a later output. Sampling bans both before min_tokens, so one is last.
+        # as vLLM, a stop id or EOS ending the sequence leaves its text out but still counts;
+        # decided by the token, since a LAST_GENERATED sequence finishes in a later output
         hidden = int(p.hides_last(ids, self.eos_token_ids))
         used = choice.detok.add_tokens(ids[: len(ids) - hidden])
         if hidden and not choice.detok.stopped:
@@ -243,24 +240,20 @@ class Generation:
         return delta
 
     def _open_prompt_bytes(self, prompt_ids: list[int], p: SamplingParams) -> bytes:
-        """The first bytes of a character the prompt leaves unfinished (b"" when it does not,
-        or when no text offsets are counted)."""
+        """The bytes of a character the prompt leaves unfinished (b"" without logprobs)."""
         if not p.logprobs:
             return b""
         return open_character_bytes([self._shown_bytes(t, p) for t in prompt_ids[-3:]])
 
     def _shown_bytes(self, token: int, p: SamplingParams) -> bytes:
-        """The bytes a token adds to its choice's text (none for a special token the text
-        leaves out)."""
+        """The bytes a token adds to its choice's text."""
         if p.skip_special_tokens and token in self.tokenizer.special_ids:
             return b""
         return self.tokenizer.text_bytes(token)
 
     def _stop_reason(self, choice: Choice, p: SamplingParams) -> int | str | None:
-        """What ended a choice that finished with "stop", as vLLM says it: the stop string
-        that cut its text; else its last token when that is a stop token id or an EOS other
-        than the tokenizer's own (vLLM makes a generation config's other EOS ids stop token
-        ids); None for the tokenizer's EOS (checked first) and anything else."""
+        """What ended a "stop" choice, as vLLM says it: the stop string, a stop token id or an
+        EOS other than the tokenizer's own; else None."""
         if choice.detok.stopped:
             return choice.detok.stop.matched
         last = choice.token_ids[-1] if choice.token_ids else None
@@ -282,9 +275,7 @@ class Generation:
         return deltas
 
     def _observe(self, deltas: list[ChoiceDelta]) -> None:
-        """Token metrics per choice, as vLLM's (each of n samples is a request of its own
-        there): a choice's first tokens give a time to first token, later ones the gap since
-        that choice's last tokens, split over them."""
+        """Time to first token and inter-token latency per choice, as vLLM counts them."""
         if self.metrics is None:
             return
         now = time.monotonic()
@@ -303,8 +294,7 @@ class Generation:
 
     # ---- reading ---------------------------------------------------------------------
     async def run(self):
-        """Yield lists of choice deltas until the group is done (async generator); outputs
-        that queued up meanwhile are merged into one delta per choice."""
+        """Yield lists of choice deltas until the group is done, one per choice a batch."""
         async for batch in self.group.batches():
             deltas = [d for out in batch if out.request_id in self.prompts for d in self.apply(out)]
             yield _merge(deltas) if len(batch) > 1 else deltas
@@ -317,11 +307,16 @@ class Generation:
         raise KeyError(index)
 
     def choice_value(self, index: int, encoding: str) -> Any:
-        """Client choice `index`'s encoded custom output: its own once it has one, else its
-        prompt's (None when absent)."""
+        """Client choice `index`'s encoded custom output (None when absent)."""
         prompt = self.prompt_of(index)
         choice = prompt.choices.get(index - prompt.first_index)
         return choice.encoded_value(encoding) if choice else prompt.encoded_value(encoding)
+
+    def choice_omitted(self, index: int) -> str | None:
+        """Why client choice `index` has no custom output ("prefix_reuse"), or None."""
+        prompt = self.prompt_of(index)
+        choice = prompt.choices.get(index - prompt.first_index)
+        return choice.custom_output_omitted if choice else prompt.custom_output_omitted
 
     def choices(self) -> list[Choice]:
         all_choices = [c for s in self.prompts.values() for c in s.choices.values()]
@@ -338,8 +333,7 @@ class Generation:
         return _usage(prompt, completion, cached)
 
     def choice_usage(self, index: int) -> dict:
-        """Client choice `index`'s own usage so far: its prompt's tokens and the tokens it
-        has streamed (vLLM's continuous_usage_stats, per chunk of a choice)."""
+        """Client choice `index`'s own usage so far (vLLM's continuous_usage_stats)."""
         prompt = self.prompt_of(index)
         choice = prompt.choices.get(index - prompt.first_index)
         completion = len(choice.token_ids) if choice else 0

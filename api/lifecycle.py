@@ -1,18 +1,9 @@
 """How the API process ends: rank 0 decides (DESIGN.md "Processes").
 
-Rank 0 drains on SIGTERM or SIGINT and, when the drain is done, tells this process that the
-engine has stopped (wire.Shutdown, stopped): this process then stops serving, as uvicorn does
-on a signal (it finishes the responses it has data for). A SIGTERM or SIGINT sent to this
-process itself (systemd's default `KillMode=control-group` signals every process of a unit)
-is handed to rank 0 as a drain request while the engine runs, so that requests in flight
-finish within `--shutdown-timeout` here too; rank 0 counts it as it counts its own signals.
-One that comes between uvicorn's start and the client's connecting is handed on then (before
-uvicorn takes the signals, their default action ends the process; rank 0 takes that exit as
-the stop it asked for). A signal stops serving at once when the engine has stopped, or its
-parent (rank 0) is gone, or it is a repeat and the engine has been silent for
-ENGINE_SILENT_SECONDS: a wedged rank 0 cannot hold this process (nor can one in a step that
-long: a repeat asks to stop now anyway). The requests in flight then get their final answer,
-a 503, at once; a further SIGINT forces the exit, as uvicorn's second Ctrl-C.
+This process stops serving when rank 0 says the engine has stopped (wire.Shutdown). A SIGTERM
+or SIGINT sent to it is handed to rank 0 as a drain request while the engine runs; it stops
+serving at once when the engine has stopped, rank 0 is gone, or on a repeat after the engine
+has been silent for ENGINE_SILENT_SECONDS (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -50,8 +41,7 @@ class Lifecycle:
         self._detached = False
 
     def attach(self, client: EngineClient) -> None:
-        """Called in the app's lifespan, on the event loop, once the client has connected:
-        from now on signals go to rank 0 while the engine runs."""
+        """Called on the event loop once the client has connected: signals now go to rank 0."""
         self._client, self._loop = client, asyncio.get_running_loop()
         client.on_stopped = lambda: self.stop_serving()
         if self._pending is not None:
@@ -63,8 +53,7 @@ class Lifecycle:
         self._detached = True
 
     def hand_to_engine(self, signum: int) -> bool:
-        """Runs in the signal handler: ask rank 0 to drain (True: serving goes on until it
-        says it has stopped), or False: stop serving now (see the module's docstring)."""
+        """Runs in the signal handler: ask rank 0 to drain (True), or False: stop serving now."""
         client, loop, now = self._client, self._loop, time.monotonic()
         repeat = self._first_signal_at is not None
         if not repeat:
@@ -97,8 +86,7 @@ class Lifecycle:
             self.stop_serving()
 
     def _give_up(self, client: EngineClient, signum: int, signal_time: float) -> None:
-        """Stop without the engine: every request in flight gets its final answer (503) now,
-        and rank 0, if it was only busy, hears the signal when its step ends."""
+        """Stop without the engine: answer every request in flight (503) now."""
         client.stop_accepting("the server stopped: the engine did not answer its drain request")
         with contextlib.suppress(zmq.ZMQError):
             client.request_drain(signum, signal_time)

@@ -1,9 +1,7 @@
 """Prometheus metrics of the API process (prometheus_client, one registry per app).
 
-API-side series are measured here (requests by status, tokens, TTFT, inter-token latency,
-end-to-end latency); engine-side series (running / waiting requests, KV blocks, prefix-cache
-hit rate, custom-output calls and errors) are exported from the coordinator's latest
-EngineStats message by a collector, so they are exactly the engine's numbers.
+API-side series are measured here; engine-side series are exported from the coordinator's
+latest EngineStats at scrape time.
 """
 
 from __future__ import annotations
@@ -68,7 +66,8 @@ class EngineStatsCollector(Collector):
             "tapserve_prefix_cache_hits": ("Prefix cache hits (tokens)", s.prefix_cache_hits),
             "tapserve_custom_output_calls": ("Custom output handler calls", s.custom_output_calls),
             "tapserve_custom_output_errors": (
-                "Custom output handler errors",
+                "Custom output handler forward() calls that failed (a raise or an output that "
+                "breaks the rules; 606 for every request with rows in the call)",
                 s.custom_output_errors,
             ),
             "tapserve_engine_steps": ("Engine steps that ran a forward", s.engine_steps),
@@ -80,6 +79,15 @@ class EngineStatsCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        selector = CounterMetricFamily(
+            "tapserve_custom_output_selector_failures",
+            "Requests refused because the custom output selector raised: code 605 for a "
+            "ValueError (bad custom_output_params), 606 for any other exception",
+            labels=["code"],
+        )
+        selector.add_metric(["605"], s.custom_output_selector_invalid)
+        selector.add_metric(["606"], s.custom_output_selector_errors)
+        yield selector
 
 
 class ApiMetrics:

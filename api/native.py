@@ -1,19 +1,9 @@
 """Native routes: /generate, /custom_output, /tokenize, /detokenize.
 
-`POST /generate` (rtp-llm style): `prompt` or `input_ids`, `generate_config`, optional
-`custom_output_params` / `custom_output_encoding`, `stream`. Response: `response`,
-`custom_output`, `finished`, `finish_reason`, `aux_info` when `return_aux_info`,
-`output_ids` when `return_output_ids`. `response` (and `custom_output`, `finish_reason`,
-`aux_info`, `output_ids`) is a list with one entry per sequence when
-`num_return_sequences` is given (even 1) or `num_beams` > 1; beams return all beams best
-first (or the best `num_return_sequences`), and `aux_info.beam_responses` lists every beam.
-Streaming sends SSE events with the new text of each sequence (`finished: false`), then one
-final event with `finished: true` (no `[DONE]`).
-
-`POST /custom_output`: `prompts` (strings or token-id lists) with optional
-`custom_output_params` (one object for all, or a list, one per prompt): every prompt is a
-prefill-only scoring request (max_new_tokens = 0), all sent at once so they share prefill
-batches; `outputs` holds one entry per prompt, in order: the value, or that prompt's error.
+`POST /generate` is rtp-llm style: one list entry per sequence with `num_return_sequences` or
+beams; a stream ends with a `finished: true` event. `POST /custom_output` scores every prompt
+or conversation at once (max_new_tokens = 0); `outputs` holds each prompt's value or error, in
+order. docs/api.md has the fields.
 """
 
 from __future__ import annotations
@@ -21,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from tapserve.api import token_list
 from tapserve.api.errors import ApiError, invalid
 from tapserve.api.generation import Choice, Generation
 from tapserve.api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
 from tapserve.api.sampling_params import SamplingParams
-from tapserve.api.state import AppState, race_disconnect, sse
+from tapserve.api.state import OFF_LOOP_BODY_BYTES, AppState, race_disconnect, sse
 from tapserve.api.values import encode_value, finite_logprob
 
 
@@ -61,8 +52,8 @@ class GenerateConfig(StrictModel):
     return_output_ids: bool = False
 
     def check_sequences(self, state: AppState) -> None:
-        """605s naming the field: too many sequences or beams; more sequences than beams;
-        do_sample with beams (beam sampling is not offered)."""
+        """605s naming the field: too many sequences or beams, more sequences than beams, or
+        do_sample with beams."""
         state.check_n(self.num_beams, "num_beams")
         state.check_n(self.num_return_sequences or 1, "num_return_sequences")
         if self.num_beams > 1 and (self.num_return_sequences or 1) > self.num_beams:
@@ -78,8 +69,7 @@ class GenerateConfig(StrictModel):
         return self.num_return_sequences is not None or self.num_beams > 1
 
     def sampling_kwargs(self, max_new_tokens: int) -> dict:
-        """SamplingParams' fields (max_new_tokens: the request's, resolved); a 605 naming
-        min_new_tokens when it exceeds it (SamplingParams would name its min_tokens)."""
+        """SamplingParams' fields; a 605 naming min_new_tokens when it exceeds max_new_tokens."""
         if self.min_new_tokens > max_new_tokens:
             raise invalid(
                 f"min_new_tokens must be <= max_new_tokens, got {self.min_new_tokens} "
@@ -123,8 +113,11 @@ class GenerateRequest(StrictModel):
     stream: bool = False
 
 
-class CustomOutputRequest(StrictModel):
-    prompts: list[str | list[int]] = Field(min_length=1)
+class CustomOutputRequest(ChatTemplateFields):
+    prompts: list[str | list[int]] | None = Field(None, min_length=1)
+    conversations: list[Annotated[list[ChatMessage], Field(min_length=1)]] | None = Field(
+        None, min_length=1
+    )
     custom_output_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     custom_output_encoding: Literal["json", "base64"] = "json"
 
@@ -134,12 +127,6 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None  # as TokenizeRequest's
-    tokens: list[int]
-    skip_special_tokens: bool = False
 
 
 def _state(request: Request) -> AppState:
@@ -175,6 +162,7 @@ class _Answer:
         self.count = self.cfg.num_return_sequences or (
             self.cfg.num_beams if self.cfg.num_beams > 1 else 1
         )
+        self.events_sent = 0
 
     def _pick(self, values: list) -> Any:
         return values[: self.count] if self.cfg.listed else (values[0] if values else None)
@@ -194,6 +182,7 @@ class _Answer:
             "finish_reason": self._pick([c.finish_reason for c in choices]),
         }
         out.update(self._value(len(choices[: self.count])))
+        out.update(self._omitted())
         if self.cfg.return_output_ids:
             out["output_ids"] = self._pick([c.token_ids for c in choices])
         if self.cfg.return_aux_info:
@@ -201,13 +190,17 @@ class _Answer:
         return out
 
     def _value(self, count: int) -> dict:
-        """Each sequence's value (its own with LAST_GENERATED, else the prompt's); in a list,
-        a sequence without a value (yet) is null; absent when no sequence has one."""
+        """Each sequence's value (null in a list where none yet); absent when none has one."""
         encoding = self.body.custom_output_encoding
         values = [self.gen.choice_value(i, encoding) for i in range(max(count, 1))]
         if all(v is None for v in values) or (not self.cfg.listed and values[0] is None):
             return {}
         return {"custom_output": values[:count] if self.cfg.listed else values[0]}
+
+    def _omitted(self) -> dict:
+        """custom_output_omitted ("prefix_reuse") beside custom_output, or {}."""
+        reason = self.gen.choice_omitted(0)
+        return {} if reason is None else {"custom_output_omitted": reason}
 
     def _aux(self, c: Choice, choices: list[Choice]) -> dict:
         aux = {
@@ -228,7 +221,9 @@ class _Answer:
         response = (
             [texts.get(i, "") for i in range(self.count)] if self.cfg.listed else texts.get(0, "")
         )
-        return {"response": response, "finished": False, **self._value(self.count)}
+        first = self._omitted() if not self.events_sent else {}
+        self.events_sent += 1
+        return {"response": response, "finished": False, **self._value(self.count), **first}
 
 
 async def _generate_events(answer: _Answer) -> AsyncIterator[str]:
@@ -247,20 +242,31 @@ async def _generate_events(answer: _Answer) -> AsyncIterator[str]:
 def _score_params(body: CustomOutputRequest) -> list[dict | None]:
     cop = body.custom_output_params
     if isinstance(cop, list):
-        if len(cop) != len(body.prompts):
+        if len(cop) != _count(body):
             raise invalid(
                 "custom_output_params must have one entry per prompt", "custom_output_params"
             )
         return cop
-    return [cop] * len(body.prompts)
+    return [cop] * _count(body)
 
 
-def _score_ids(state: AppState, prompts: list[str | list[int]]) -> list[list[int] | dict]:
-    """Each prompt's token ids, or its error entry."""
+def _count(body: CustomOutputRequest) -> int:
+    """The request's prompts: its `prompts` or its `conversations`, exactly one given."""
+    if (body.prompts is None) == (body.conversations is None):
+        raise invalid("give exactly one of prompts, conversations", "prompts")
+    return len(body.prompts if body.prompts is not None else body.conversations)
+
+
+def _score_ids(state: AppState, body: CustomOutputRequest) -> list[list[int] | dict]:
+    """Each prompt's (or conversation's) token ids, or its error entry."""
     out: list[list[int] | dict] = []
-    for i, prompt in enumerate(prompts):
+    for i in range(_count(body)):
         try:
-            out.append(state.prompt_ids(prompt, f"prompts.{i}"))
+            if body.conversations is not None:
+                text = body.render(state.tokenizer, body.conversations[i])
+                out.append(state.prompt_ids(text, f"conversations.{i}", add_special_tokens=False))
+            else:
+                out.append(state.prompt_ids(body.prompts[i], f"prompts.{i}"))
         except ApiError as e:
             out.append(e.native_body())
     return out
@@ -269,8 +275,7 @@ def _score_ids(state: AppState, prompts: list[str | list[int]]) -> list[list[int
 def _submit_score(
     state: AppState, request: Request, ids: list[int], cop: dict | None
 ) -> Generation | dict:
-    """One prompt's scoring request sent, or its error entry (submit refuses params the
-    wire cannot carry: only this prompt's entry fails)."""
+    """One prompt's scoring request sent, or its error entry."""
     params = SamplingParams(max_new_tokens=0)  # scoring samples nothing: no model defaults
     try:
         return state.submit(request, "score", [(ids, params)], [cop])
@@ -319,14 +324,14 @@ def build_router() -> APIRouter:
     @router.post("/custom_output")
     async def custom_output(body: CustomOutputRequest, request: Request) -> Any:
         state = _state(request)
-        if len(body.prompts) > state.config.max_prompts:
-            raise invalid(f"at most {state.config.max_prompts} prompts per request", "prompts")
+        count, field = _count(body), "prompts" if body.prompts is not None else "conversations"
+        if count > state.config.max_prompts:
+            raise invalid(f"at most {state.config.max_prompts} prompts per request", field)
         cops = _score_params(body)
-        state.admit(len(body.prompts), "prompts")  # before the tokenizing: a quick 503
-        prompt_ids = await state.prepare(request, lambda: _score_ids(state, body.prompts))
-        # every prompt is admitted and submitted with no await in between: a concurrent
-        # request must not take the batch's room halfway (200 with 503 entries)
-        state.admit(sum(isinstance(ids, list) for ids in prompt_ids), "prompts")
+        state.admit(count, field)  # before the tokenizing: a quick 503
+        prompt_ids = await state.prepare(request, lambda: _score_ids(state, body))
+        # no await between admission and submission: no other request takes the room halfway
+        state.admit(sum(isinstance(ids, list) for ids in prompt_ids), field)
         submitted: list[Generation | dict] = [
             _submit_score(state, request, ids, cop) if isinstance(ids, list) else ids
             for ids, cop in zip(prompt_ids, cops)
@@ -375,13 +380,12 @@ def build_router() -> APIRouter:
         return await state.prepare(request, encode)
 
     @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
-        state = _state(request)
-        state.check_model(body.model)
-        vocab = state.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise invalid(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, body.skip_special_tokens)}
+    async def detokenize(request: Request) -> Response:
+        # read here, not by FastAPI: a large body is parsed in a worker thread (token_list.py)
+        state, raw = _state(request), await request.body()
+        content_type = request.headers.get("content-type")
+        if len(raw) <= OFF_LOOP_BODY_BYTES:
+            return token_list.detokenize(state, raw, content_type, fast=False)
+        return await asyncio.to_thread(token_list.detokenize, state, raw, content_type, fast=True)
 
     return router

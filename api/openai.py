@@ -1,12 +1,8 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-Choices: prompt p's sample i is choice `p * n + i`. Every choice carries its own
-`extra_outputs.custom_output` once the value exists; the object carries a top-level
-`extra_outputs.custom_output`, the value of its last choice (DESIGN.md). Streams interleave
-the choices' chunks (each with the usage so far when `stream_options` has both
-`include_usage` and `continuous_usage_stats`, as vLLM), end with the usage chunk when
-`stream_options.include_usage`, then `data: [DONE]`. Errors known before the first token
-are plain HTTP answers.
+Prompt p's sample i is choice `p * n + i`; each choice carries its own
+`extra_outputs.custom_output`, and the object that of its last choice (DESIGN.md). Errors
+known before the first token are plain HTTP answers.
 """
 
 from __future__ import annotations
@@ -29,9 +25,12 @@ def _state(request: Request) -> AppState:
     return request.app.state.tapserve
 
 
-def _extra(encoded: Any) -> dict:
-    """{"extra_outputs": {"custom_output": ...}} or {} when there is no value."""
-    return {} if encoded is None else {"extra_outputs": {"custom_output": encoded}}
+def _extra(encoded: Any, omitted: str | None = None) -> dict:
+    """{"extra_outputs": {"custom_output": ...}} with any `custom_output_omitted`; {} if neither."""
+    extra = {} if encoded is None else {"custom_output": encoded}
+    if omitted is not None:
+        extra["custom_output_omitted"] = omitted
+    return {"extra_outputs": extra} if extra else {}
 
 
 # ---- logprobs ----------------------------------------------------------------------------
@@ -42,10 +41,8 @@ def _completion_logprobs(
     tops: list[list[list]],
     offsets: list[int],
 ) -> dict:
-    """Legacy completions logprobs. A token that is part of a character is written
-    `bytes:\\xNN...`, as OpenAI's legacy API writes it, so that such tokens stay distinct
-    keys of top_logprobs (as U+FFFD text they overwrote each other, the sampled one's too);
-    text_offset is where each token's text begins in the choice's text."""
+    """Legacy completions logprobs; a token that is part of a character is written
+    `bytes:\\xNN...`, as OpenAI does, so such tokens stay distinct keys of top_logprobs."""
     name = state.tokenizer.legacy_token_str
     top_dicts = []
     for token, lp, top in zip(token_ids, logprobs, tops):
@@ -101,9 +98,8 @@ def _params(
 
 
 def _completion_max_tokens(state: AppState, body: CompletionRequest, prompt_len: int) -> int | None:
-    """max_tokens as sent; when absent, OpenAI's default of 16 cut to what the context has
-    room for (as vLLM): only an explicit max_tokens that does not fit is an error. The room
-    is at least 1: state.prompt_ids refuses a prompt that fills the context."""
+    """max_tokens as sent; when absent, OpenAI's default of 16 cut to the context's room (as
+    vLLM)."""
     if "max_tokens" in body.model_fields_set:
         return body.max_tokens
     return min(body.max_tokens, state.config.max_model_len - prompt_len)
@@ -143,11 +139,12 @@ class _Shape:
         else:
             out["text"] = c.text
         out["logprobs"] = lp
-        return {**out, **_extra(c.encoded_value(self.body.custom_output_encoding))}
+        value = c.encoded_value(self.body.custom_output_encoding)
+        return {**out, **_extra(value, c.custom_output_omitted)}
 
-    def chunk_choice(self, d: ChoiceDelta, value: Any) -> dict | None:
-        """A choice's chunk, or None for a delta that carries nothing (a prefill chunk before
-        the last: no tokens yet, as vLLM sends none); the first chunk holds the role."""
+    def chunk_choice(self, d: ChoiceDelta, value: Any, omitted: str | None) -> dict | None:
+        """A choice's chunk, or None for a delta that carries nothing; the first chunk holds
+        the role and any `omitted`."""
         if not (d.text or d.finish_reason or d.token_ids):
             return None
         first = d.index not in self.started
@@ -165,7 +162,7 @@ class _Shape:
             else None
         )
         out["finish_reason"], out["stop_reason"] = d.finish_reason, d.stop_reason
-        return {**out, **_extra(value)}
+        return {**out, **_extra(value, omitted if first else None)}
 
     def _logprobs(self, ids: list[int], lps: list[float], tops: list, offsets: list[int]) -> dict:
         if self.chat:
@@ -186,13 +183,18 @@ async def _respond(
     await state.collect(request, generation)
     all_choices = generation.choices()
     choices = [shape.full_choice(c) for c in all_choices]
-    last = all_choices[-1].encoded_value(body.custom_output_encoding) if all_choices else None
+    last = all_choices[-1] if all_choices else None
+    top = (
+        _extra(last.encoded_value(body.custom_output_encoding), last.custom_output_omitted)
+        if last
+        else {}
+    )
     return JSONResponse(
         {
             **_envelope(generation, kind, model, created),
             "choices": choices,
             "usage": generation.usage(),
-            **_extra(last),
+            **top,
         }
     )
 
@@ -205,7 +207,7 @@ async def _events(
         events = []
         for d in deltas:
             value = generation.choice_value(d.index, body.custom_output_encoding)
-            choice = shape.chunk_choice(d, value)
+            choice = shape.chunk_choice(d, value, generation.choice_omitted(d.index))
             if choice is not None:
                 # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed
                 # with include_usage alone, OpenAI's chunks carry "usage": null until the last
@@ -214,7 +216,8 @@ async def _events(
                     if body.include_usage
                     else {}
                 )
-                events.append(sse({**head, "choices": [choice], **_extra(value), **usage}))
+                top = {k: choice[k] for k in ("extra_outputs",) if k in choice}  # the choice's
+                events.append(sse({**head, "choices": [choice], **top, **usage}))
         if events:
             yield "".join(events)  # one write for the choices of one output
     if body.include_usage:
@@ -236,6 +239,12 @@ def _model_card(state: AppState) -> dict:
         "created": state.created,
         "owned_by": "tapserve",
         "max_model_len": state.config.max_model_len,
+        # the custom head's column names (or its one value's name), when it declares them
+        **(
+            {"custom_output_labels": state.config.custom_output_labels}
+            if state.config.custom_output_labels is not None
+            else {}
+        ),
     }
 
 

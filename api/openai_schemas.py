@@ -1,10 +1,7 @@
 """Request schemas of the OpenAI-compatible endpoints (pydantic, unknown fields rejected).
 
-Supported: the OpenAI fields listed in issue 5 plus the vLLM-style extras (top_k, min_p,
-repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens,
-include_stop_str_in_output) and tapserve's custom_output_params / custom_output_encoding.
-Any other field (tools, response_format other than text, echo, suffix, ...) is a 400 naming
-it: never silently misread.
+OpenAI's fields, vLLM-style extras and tapserve's custom_output_params/_encoding; any other
+field is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -22,11 +19,8 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,19}")
 
 
 class StrictModel(BaseModel):
-    """A request body: no unknown fields, no coercion ("5" is not 5), as OpenAI. A null
-    for a field that takes no None (n, stream, echo, ...) means its default, as the OpenAI
-    spec's nullable fields do (the official client sends `n=None` as `"n": null`); a null
-    for an unknown field (`tools: null`) is dropped too: it asks for nothing. Fields that
-    take None keep it (max_tokens: null fills the context, as vLLM)."""
+    """A request body: no unknown fields, no coercion, as OpenAI; a null means the field's
+    default (an unknown field's null is dropped), except where a field takes None."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -201,8 +195,7 @@ class ChatTemplateFields(StrictModel):
 
     def render(self, tokenizer: TextTokenizer, messages: list[ChatMessage]) -> str:
         """The templated text; a 605 on "messages" when the template fails, and on
-        add_generation_prompt when it is set explicitly with continue_final_message (as
-        vLLM: ambiguous). Continuing the final message turns the generation prompt off."""
+        add_generation_prompt set explicitly with continue_final_message (as vLLM)."""
         if (
             self.continue_final_message
             and self.add_generation_prompt
@@ -212,8 +205,7 @@ class ChatTemplateFields(StrictModel):
                 "cannot set both continue_final_message and add_generation_prompt",
                 "add_generation_prompt",
             )
-        # OpenAI's newer name for "system": a template that never names it (Qwen's, Llama's)
-        # would drop such a message silently
+        # a template that never names "developer" would drop such a message silently
         developer_as_system = "developer" not in (tokenizer.chat_template or "")
         try:
             return tokenizer.apply_chat_template(

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 # a temperature below this samples greedily, as vLLM's (1/T would overflow the logits)
 GREEDY_TEMPERATURE = 1e-5
 MAX_SCALE = 1e30  # temperature and repetition_penalty are clamped to [1e-30, 1e30]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's documented range for logit_bias values: [-100, 100]
-# fields a model's generation_config.json may give defaults for, with their types (vLLM's
-# list; do_sample is ignored, as vLLM ignores it: top_k 1 or temperature 0 is greedy)
+# fields a model's generation_config.json may give defaults for (vLLM's list)
 MODEL_DEFAULT_FIELDS = {
     "temperature": float,
     "top_k": int,
@@ -36,29 +36,54 @@ def _finite_number(value: object) -> bool:
         return False
 
 
+class BatchDraw(enum.Enum):
+    """How a request's decode rows sample once forked (SamplingParams.batch_draw)."""
+
+    GREEDY = "greedy"
+    TEMPERATURE = "temperature"
+    PLAIN = "plain"
+    GENERAL = "general"
+
+    # hashed by identity, in C (Enum's hash runs Python; each step hashes each row's draw)
+    __hash__ = object.__hash__
+
+
+FAST_DRAWS = (BatchDraw.GREEDY, BatchDraw.TEMPERATURE, BatchDraw.PLAIN)  # in order of preference
+_ANY = frozenset(FAST_DRAWS)  # the field does not shape a token's draw
+_SHAPES = frozenset({BatchDraw.GREEDY, BatchDraw.PLAIN})  # a filter: greedy ignores it
+_NONE: frozenset[BatchDraw] = frozenset()  # a non-default value needs the general path
+
+
+def _param(default: object = None, draw: frozenset[BatchDraw] = _NONE, **kwargs) -> object:
+    """A field whose metadata names the fast draws that tolerate a non-default value."""
+    if "default_factory" not in kwargs:
+        kwargs["default"] = default
+    return field(metadata={"draw": draw}, **kwargs)
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)  # honoured by the detokenizing side
-    stop_token_ids: list[int] = field(default_factory=list)
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: bool = False
-    top_logprobs: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    max_new_tokens: int = _param(16, _ANY)
+    temperature: float = _param(1.0, _ANY)
+    top_k: int = _param(0, _SHAPES)  # 0 or -1: disabled
+    top_p: float = _param(1.0, _SHAPES)
+    min_p: float = _param(0.0, _SHAPES)
+    repetition_penalty: float = _param(1.0)
+    presence_penalty: float = _param(0.0)
+    frequency_penalty: float = _param(0.0)
+    seed: int | None = _param(None)
+    n: int = _param(1, _ANY)  # each sample draws on its own once the prompt forked
+    num_beams: int = _param(1)
+    length_penalty: float = _param(1.0, _ANY)  # beams only
+    stop: list[str] = _param(draw=_ANY, default_factory=list)  # the detokenizing side's
+    stop_token_ids: list[int] = _param(draw=_ANY, default_factory=list)
+    min_tokens: int = _param(0)
+    ignore_eos: bool = _param(False, _ANY)
+    logit_bias: dict[int, float] = _param(default_factory=dict)
+    logprobs: bool = _param(False)
+    top_logprobs: int = _param(0, _ANY)  # read only with logprobs
+    skip_special_tokens: bool = _param(True, _ANY)
+    include_stop_str_in_output: bool = _param(False, _ANY)
 
     def __post_init__(self) -> None:
         self._take_numbers()
@@ -119,15 +144,13 @@ class SamplingParams:
             )
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
-        # beyond these the sampler's float32 arithmetic overflows (inf / inf is NaN, and an
-        # all-NaN row samples token 0); within them the draws are already those of the limit
+        # beyond these the sampler's float32 arithmetic overflows to NaN
         self.temperature = min(self.temperature, MAX_SCALE)
         self.repetition_penalty = min(max(self.repetition_penalty, 1 / MAX_SCALE), MAX_SCALE)
 
     def _take_numbers(self) -> None:
-        """Each number field as a Python number of its type (numpy scalars are welcome: the
-        wire carries Python numbers only); a ValueError naming a field that holds no such
-        number. None for logit_bias or stop_token_ids is none (as vLLM)."""
+        """Each number field as a Python number of its type; a ValueError naming a field that
+        holds no such number."""
         for name in (
             "max_new_tokens",
             "top_k",
@@ -184,8 +207,7 @@ class SamplingParams:
         return token in self.stop_token_ids or (not self.ignore_eos and token in eos_token_ids)
 
     def hides_last(self, token_ids: list[int], eos_token_ids) -> bool:
-        """The last of token_ids ends the sequence and its text is left out of the output
-        (unless include_stop_str_in_output), as vLLM writes a stop token's and an EOS's."""
+        """The last of token_ids ends the sequence and its text is left out, as vLLM does."""
         return (
             bool(token_ids)
             and not self.include_stop_str_in_output
@@ -193,33 +215,16 @@ class SamplingParams:
         )
 
     @property
-    def temperature_only(self) -> bool:
-        """Sampled with a temperature alone: no top-k, top-p or min-p filter."""
-        return self.temperature > 0 and self.top_k <= 0 and self.top_p >= 1.0 and self.min_p <= 0
-
-    @property
-    def batch_draw(self) -> str:
-        """How a batch draw samples it (Request.batch_draw): "greedy", "temperature" (alone),
-        "plain" (temperature with top-k / top-p / min-p), or "" (it needs a SampleRow)."""
-        if self.num_beams > 1 or not self.plain:
-            return ""
-        if self.greedy:
-            return "greedy"
-        return "temperature" if self.temperature_only else "plain"
-
-    @property
-    def plain(self) -> bool:
-        """Only temperature, top-k, top-p and min-p shape the choice: no logit processors
-        (bias, penalties, min_tokens), no logprobs, no seed (Sampler.sample_plain)."""
-        return (
-            not self.logprobs
-            and not self.logit_bias
-            and self.repetition_penalty == 1.0
-            and not self.presence_penalty
-            and not self.frequency_penalty
-            and not self.min_tokens
-            and self.seed is None
-        )
+    def batch_draw(self) -> BatchDraw:
+        """The first fast draw that every field with a non-default value tolerates (GREEDY
+        only for a greedy request), else GENERAL."""
+        changed = [draw for name, default, draw in _DRAW_FIELDS if getattr(self, name) != default]
+        for candidate in FAST_DRAWS:
+            if candidate is BatchDraw.GREEDY and not self.greedy:
+                continue
+            if all(candidate in draw for draw in changed):
+                return candidate
+        return BatchDraw.GENERAL
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -241,3 +246,17 @@ class SamplingParams:
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids, got {list(bias)[:3]}") from None
         return cls(**d)
+
+
+def _draw_fields() -> tuple[tuple[str, object, frozenset[BatchDraw]], ...]:
+    """(name, default, tolerated fast draws) per field; one without `draw` fails at import."""
+    out = []
+    for f in fields(SamplingParams):
+        if "draw" not in f.metadata:
+            raise TypeError(f"SamplingParams.{f.name} has no draw metadata (see BatchDraw)")
+        default = f.default_factory() if f.default is MISSING else f.default
+        out.append((f.name, default, f.metadata["draw"]))
+    return tuple(out)
+
+
+_DRAW_FIELDS = _draw_fields()

@@ -39,6 +39,7 @@ from tapserve.api.errors import STREAM_ERROR_STATUS, ApiError, error_body, insta
 from tapserve.api.lifecycle import Lifecycle, Server, watchdog
 from tapserve.api.metrics import CONTENT_TYPE, ApiMetrics
 from tapserve.api.state import AppState, ClientGone
+from tapserve.api.token_list import DETOKENIZE_MAX_BODY_BYTES
 from tapserve.api.tokenizer import TextTokenizer
 
 __all__ = ["ApiConfig", "create_app", "main"]
@@ -63,12 +64,13 @@ class Gate:
             return await self._refuse(
                 send, ApiError(401, "invalid or missing API key"), path, start
             )
+        limit = self._body_limit(path)
         declared = _header(scope, b"content-length")
-        if declared and declared.isdigit() and int(declared) > self.config.max_body_bytes:
-            return await self._refuse(send, self._too_large(), path, start)
-        body, ended = await _read_body(receive, self.config.max_body_bytes)
+        if declared and declared.isdigit() and int(declared) > limit:
+            return await self._refuse(send, self._too_large(path), path, start)
+        body, ended = await _read_body(receive, limit)
         if ended == "too large":
-            return await self._refuse(send, self._too_large(), path, start)
+            return await self._refuse(send, self._too_large(path), path, start)
         if ended == "client gone":  # the upload was cut off: nothing to parse or answer
             if measured:
                 self._count(path, start, CLIENT_GONE)
@@ -112,8 +114,16 @@ class Gate:
         scheme, _, token = auth.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
-    def _too_large(self) -> ApiError:
-        return ApiError(413, f"request body larger than {self.config.max_body_bytes} bytes")
+    def _body_limit(self, path: str) -> int:
+        """max_body_bytes; /detokenize's own, lower cap where that is lower (its JSON list
+        of ids is parsed on the event loop where it cannot be parsed off it)."""
+        if path == "/detokenize":
+            return min(self.config.max_body_bytes, DETOKENIZE_MAX_BODY_BYTES)
+        return self.config.max_body_bytes
+
+    def _too_large(self, path: str) -> ApiError:
+        where = " for /detokenize" if path == "/detokenize" else ""
+        return ApiError(413, f"request body larger than {self._body_limit(path)} bytes{where}")
 
 
 class _ResponseRecord:
@@ -198,7 +208,9 @@ def create_app(
 ) -> Any:
     """Build the ASGI app (FastAPI wrapped in the Gate) for one API process. lifecycle: how
     the process ends (api/lifecycle.py; main's server stops when it says so)."""
-    tokenizer = tokenizer or TextTokenizer.from_dir(config.tokenizer, config.chat_template)
+    tokenizer = tokenizer or TextTokenizer.from_dir(
+        config.tokenizer, config.chat_template, config.split_special_tokens_in_messages
+    )
     lifecycle = lifecycle or Lifecycle(config.parent_pid or os.getppid())
     holder: dict[str, EngineClient] = {}
     metrics = ApiMetrics(lambda: holder["client"].stats)

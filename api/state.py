@@ -1,8 +1,6 @@
 """Per-app state and the request pipeline shared by the OpenAI and native endpoints:
-admission (503), prompt and parameter checks (605), submit + wait for the engine's
-accept-or-reject answer (so early errors are plain HTTP answers, also for stream=true),
-non-streaming collection and SSE streaming, both aborting the engine requests when the
-client goes away.
+admission (503), checks (605), submit and wait for the accept answer, then collect or stream,
+aborting the engine requests when the client goes away.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ from tapserve.api.sampling_params import SamplingParams
 from tapserve.api.tokenizer import TextTokenizer, UnencodableTextError
 
 log = logging.getLogger("tapserve.api")
-# request bodies above this many bytes are tokenized (and their chat templates rendered) in
-# a worker thread: the tokenizer releases the GIL, and a multi-megabyte prompt would
-# otherwise stall every stream and /health for seconds; below it the thread hop costs more
+# request bodies above this many bytes are prepared in a worker thread (the tokenizer
+# releases the GIL; a huge prompt would otherwise stall every stream)
 OFF_LOOP_BODY_BYTES = 64 * 1024
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -59,16 +56,13 @@ async def race_disconnect(request: Request, awaitable: Awaitable) -> Any:
     if task in done:
         return task.result()
     task.cancel()
-    # a gather of several jobs may still end with one's exception rather than cancelled:
-    # retrieve it, so asyncio does not log it as never retrieved (the client is gone: a 499)
+    # retrieve a late exception, so asyncio does not log it as never retrieved
     task.add_done_callback(lambda t: t.cancelled() or t.exception())
     raise ClientGone()
 
 
 def _api_error(e: EngineError, request: Request) -> ApiError:
-    """The answer for an engine error, its field named as the request named it: an OpenAI
-    route's max_tokens (or max_completion_tokens, which a chat route notes in request.state)
-    for the engine's max_new_tokens, a chat's messages for its prompt."""
+    """The answer for an engine error, its field named as the request named it."""
     param, path = e.param, request.url.path
     if param is not None and is_openai_path(path):
         chat = path.endswith("/chat/completions")
@@ -100,9 +94,8 @@ class AppState:
             )
 
     def admit(self, num_requests: int, param: str = "prompt") -> None:
-        """605 for a request larger than the whole queue (never admitted, so not a 503 to
-        retry); 503 while the engine is down or stopping (silent for the /health timeout: a
-        hung rank), or when the queue is full."""
+        """605 for a request larger than the whole queue; 503 while the engine is down or
+        stopping, or when the queue is full."""
         if num_requests > self.config.max_in_flight:
             raise invalid(
                 f"the request has {num_requests} prompts; the server admits "
@@ -120,16 +113,14 @@ class AppState:
 
     @staticmethod
     async def prepare(request: Request, work: Callable[[], Any]) -> Any:
-        """work() (tokenizing prompts, rendering a chat template, checking the fields): on
-        the event loop for a small request, in a worker thread for a large one."""
+        """work(), on the event loop for a small request, in a worker thread for a large one."""
         if len(await request.body()) <= OFF_LOOP_BODY_BYTES:
             return work()
         return await asyncio.to_thread(work)
 
     @property
     def vocab_size(self) -> int:
-        """The ids a client may send and the model may sample: the model's vocabulary where
-        a checkpoint pads it past the tokenizer's (as vLLM takes prompt ids)."""
+        """The ids a client may send and the model may sample (the larger vocabulary)."""
         return max(self.tokenizer.vocab_size, self.config.model_vocab_size)
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
@@ -184,8 +175,7 @@ class AppState:
             raise invalid(f"{param} must be <= {self.config.max_n}, got {n}", param)
 
     def sampling_params(self, **kwargs: Any) -> SamplingParams:
-        """A request's SamplingParams: the fields it gives, else the model's defaults
-        (ApiConfig.sampling_defaults), else SamplingParams' own; a 605 for bad values."""
+        """A request's SamplingParams over the model's defaults; a 605 for bad values."""
         try:
             return SamplingParams(**{**self.config.default_sampling, **kwargs})
         except (ValueError, TypeError) as e:
@@ -219,9 +209,8 @@ class AppState:
         return Generation(self.tokenizer, group, prompts, self.metrics, self.config.eos_token_ids)
 
     async def accepted(self, request: Request, generation: Generation, watch: bool = True) -> None:
-        """Wait for every accept answer; a rejection becomes an ApiError (605/606).
-        `watch`: give up (ClientGone) when the client disconnects. Only accepted prompts
-        count in the prompt-token metric."""
+        """Wait for every accept answer; a rejection becomes an ApiError (605/606). `watch`:
+        raise ClientGone when the client disconnects."""
         waiting = generation.group.accepted()
         try:
             await (race_disconnect(request, waiting) if watch else waiting)
@@ -263,8 +252,8 @@ class AppState:
     def stream(
         self, request: Request, generation: Generation, events: Callable[[], AsyncIterator[str]]
     ) -> StreamingResponse:
-        """SSE response from `events()`; a later engine error becomes the last event; the
-        engine requests are aborted when the stream ends early (client gone)."""
+        """SSE response from `events()`; an error becomes the last event, and the engine
+        requests are aborted when the stream ends."""
         path = request.url.path
 
         async def body() -> AsyncIterator[str]:

@@ -1,12 +1,8 @@
 """Tokenizer and chat template for the API process, without transformers or torch.
 
-transformers 5 imports torch when it loads a tokenizer (and takes seconds), so the API process
-reads the checkpoint's `tokenizer.json` with the `tokenizers` library and renders the chat
-template with jinja2 the way transformers does (sandboxed, trim_blocks, lstrip_blocks,
-`raise_exception`, `strftime_now`, `tojson`, the `{% generation %}` block, `tools` and
-`documents` None, `continue_final_message` cut at a tag appended to the last message). The template comes from `--chat-template FILE`,
-else `chat_template.jinja` (transformers 5), else `tokenizer_config.json["chat_template"]`.
-Templated text is tokenized without adding special tokens (the template holds them).
+Reads `tokenizer.json` with `tokenizers` and renders the chat template with jinja2 as
+transformers does. The template comes from `--chat-template`, else `chat_template.jinja`, else
+`tokenizer_config.json`; templated text is tokenized without adding special tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +17,8 @@ from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders
+
+from tapserve.api.message_specials import ChatText, MessageSpecials
 
 # the named special tokens transformers passes to chat templates (those the tokenizer sets)
 SPECIAL_TOKEN_NAMES = (
@@ -62,13 +60,11 @@ class ChatTemplateError(ValueError):
 
 
 class UnencodableTextError(ValueError):
-    """Text that is not valid Unicode: a lone UTF-16 surrogate, which a JSON escape such as
-    "\\ud800" lets into a Python string (a 400 for the client)."""
+    """Text that is not valid Unicode: a lone surrogate (a 400 for the client)."""
 
 
 def check_unicode(text: str) -> None:
-    """UnencodableTextError for text holding a lone surrogate (from a JSON escape, or bytes
-    that were not UTF-8 in argv or the environment)."""
+    """UnencodableTextError for text holding a lone surrogate."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -85,8 +81,8 @@ def _token_text(entry: Any) -> str | None:
 
 
 def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
-    """(the model falls back to `<0xNN>` byte entries, the word mark its decoder turns into a
-    space, or None): how a SentencePiece-style tokenizer.json spells a token's bytes."""
+    """How a SentencePiece-style tokenizer.json spells bytes: (`<0xNN>` byte fallback, the
+    word mark), each or None."""
     spec = json.loads(tokenizer.to_str())
     steps = spec.get("decoder") or {}
     steps = steps.get("decoders", [steps]) if isinstance(steps, dict) else []
@@ -103,8 +99,7 @@ def _sentencepiece_layout(tokenizer: Tokenizer) -> tuple[bool, str | None]:
 
 
 class _GenerationBlock(Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks assistant text for
-    training masks): rendered as its body, in its own scope as transformers renders it."""
+    """transformers' `{% generation %}` block, rendered as its body in its own scope."""
 
     tags = {"generation"}
 
@@ -145,8 +140,7 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
 
 
 def check_chat_template(text: str, source: str = "--chat-template") -> None:
-    """A ValueError for a template that does not compile (a start-up error, rather than a
-    605 on every chat request); source: where the template came from, for the message."""
+    """A ValueError for a template that does not compile; source names it in the message."""
     try:
         _template_environment().from_string(text)
     except TemplateError as e:
@@ -162,8 +156,7 @@ def names_a_file(override: str) -> bool:
 
 
 def chat_template_text(override: str) -> str:
-    """--chat-template: a file's text, or an inline Jinja template. Anything else (a
-    mistyped path) is a ValueError, not a template that renders the path as the prompt."""
+    """--chat-template: a file's text, or an inline Jinja template; a ValueError otherwise."""
     if names_a_file(override):
         return Path(override).read_text(encoding="utf-8")
     if "{{" in override or "{%" in override:
@@ -172,8 +165,7 @@ def chat_template_text(override: str) -> str:
 
 
 def _tokenizer_config(folder: Path) -> dict:
-    """tokenizer_config.json, with special_tokens_map.json over it in the legacy layout (a
-    config without added_tokens_decoder), as transformers reads them."""
+    """tokenizer_config.json, with a legacy special_tokens_map.json over it, as transformers."""
     path = folder / "tokenizer_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     legacy = folder / "special_tokens_map.json"
@@ -198,7 +190,14 @@ def _template_source(folder: Path, config: dict, override: str | None) -> str | 
 class TextTokenizer:
     """Encode / decode / chat-template one checkpoint's tokenizer (thread-compatible, no torch)."""
 
-    def __init__(self, tokenizer: Tokenizer, config: dict, chat_template: str | None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: dict,
+        chat_template: str | None,
+        split_special_tokens_in_messages: bool = False,
+    ):
+        """split_special_tokens_in_messages: special-token text in messages is plain text."""
         self.tokenizer = tokenizer
         self.special_tokens = {
             name: text
@@ -216,9 +215,17 @@ class TextTokenizer:
         self._added_ids = set(tokenizer.get_added_tokens_decoder())
         self._byte_fallback, self._word_mark = _sentencepiece_layout(tokenizer)
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self._message_specials = (
+            MessageSpecials(tokenizer) if split_special_tokens_in_messages else None
+        )
 
     @classmethod
-    def from_dir(cls, folder: str | Path, chat_template: str | None = None) -> TextTokenizer:
+    def from_dir(
+        cls,
+        folder: str | Path,
+        chat_template: str | None = None,
+        split_special_tokens_in_messages: bool = False,
+    ) -> TextTokenizer:
         folder = Path(folder)
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
@@ -228,6 +235,7 @@ class TextTokenizer:
             Tokenizer.from_file(str(tok_file)),
             config,
             _template_source(folder, config, chat_template),
+            split_special_tokens_in_messages,
         )
 
     @property
@@ -246,26 +254,26 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """text's token ids; UnencodableTextError for text that is not valid Unicode.
-        Through the batch call, which (unlike `encode`) releases the GIL, so a long text
-        tokenized in a worker thread leaves the event loop running; `_fast` skips offsets."""
+        The batch call releases the GIL."""
         try:
+            if isinstance(text, ChatText) and self._message_specials is not None:
+                return self._message_specials.encode(text, add_special_tokens)
             return self._encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except TypeError:  # what `tokenizers` raises for a lone surrogate
             check_unicode(text)
             raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        """ids' text (the batch call releases the GIL)."""
+        return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def _token_str(self, token_id: int) -> str:
         """One token's text, special tokens included (for logprobs and /tokenize)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """One token's own bytes (OpenAI's chat logprobs `bytes`), which may be part of a
-        character: in a byte-level BPE vocabulary each character of an entry stands for one
-        byte (GPT-2's byte-to-unicode map); added tokens, and other vocabularies, give the
-        UTF-8 of the token's text (token_str)."""
+        """One token's own bytes (OpenAI's chat logprobs `bytes`), maybe part of a character;
+        the UTF-8 of token_str outside a byte-level vocabulary."""
         piece = self.tokenizer.id_to_token(token_id)
         if self._byte_level and piece is not None and token_id not in self._added_ids:
             try:
@@ -275,9 +283,8 @@ class TextTokenizer:
         return self.token_str(token_id).encode("utf-8")
 
     def text_bytes(self, token_id: int) -> bytes:
-        """The bytes a token adds to a decoded text (for text offsets): token_bytes, but in a
-        SentencePiece vocabulary a `<0xNN>` byte-fallback entry is that byte and the word
-        mark (U+2581) a space, where token_str, decoding the token alone, drops both."""
+        """The bytes a token adds to a decoded text (for text offsets), SentencePiece byte
+        fallback and word marks included."""
         piece = self.tokenizer.id_to_token(token_id)
         if self._byte_level or piece is None or token_id in self._added_ids:
             return self.token_bytes(token_id)
@@ -291,11 +298,8 @@ class TextTokenizer:
         return self.token_str(token_id).encode("utf-8")
 
     def legacy_token_str(self, token_id: int) -> str:
-        """The token as legacy completions logprobs name it: its text, or, for a token whose
-        bytes are not whole UTF-8 (part of a character), `bytes:` and its bytes as `\\xNN`
-        escapes, as OpenAI's legacy API writes such tokens; `token_id:N` for an id past the
-        tokenizer's entries (a padded model vocabulary), as vLLM's return_tokens_as_token_ids
-        names tokens: its text is empty, and such ids would overwrite each other."""
+        """The token as legacy completions logprobs name it: its text, `bytes:\\xNN...` for
+        part of a character (as OpenAI), or `token_id:N` past the tokenizer's entries."""
         if self.tokenizer.id_to_token(token_id) is None:
             return f"token_id:{token_id}"
         data = self.text_bytes(token_id)
@@ -311,10 +315,9 @@ class TextTokenizer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
     ) -> str:
-        """Render the chat template with the client's extra variables (template_kwargs);
-        raises ChatTemplateError for a missing or failing template, or for variables that
-        would replace the ones the server sets. continue_final_message leaves the last
-        message open: the text ends where its content does, as transformers cuts it."""
+        """Render the chat template with the client's extra variables; ChatTemplateError for
+        a missing or failing template or variables that replace the server's.
+        continue_final_message leaves the last message open."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "the model has no chat template; start the server with --chat-template FILE"
@@ -323,6 +326,9 @@ class TextTokenizer:
         taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_VARIABLES)
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}")
+        marker = None
+        if self._message_specials is not None:
+            messages, marker = self._message_specials.mark(messages, self.chat_template)
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise ChatTemplateError("continue_final_message needs a final message with text")
@@ -342,9 +348,14 @@ class TextTokenizer:
             )
         except Exception as e:  # the client's variables can make jinja raise anything
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
-        return (
-            _cut_at_continue_tag(text, messages[-1]["content"]) if continue_final_message else text
-        )
+        if continue_final_message:
+            text = _cut_at_continue_tag(text, messages[-1]["content"])
+        if marker is None:
+            return text
+        try:
+            return self._message_specials.unmark(text, marker)
+        except ValueError as e:
+            raise ChatTemplateError(str(e)) from None
 
 
 def _cut_at_continue_tag(text: str, tagged_content: str) -> str:

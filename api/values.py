@@ -1,10 +1,7 @@
 """Custom-output values: wire form ({dtype, shape, data bytes}) -> HTTP JSON, without torch.
 
-JSON numbers follow DESIGN.md: int32 stays integers, float16 / bfloat16 widen to float exactly
-(bfloat16 is the high half of a float32), NaN and +-inf become the strings "NaN", "Infinity",
-"-Infinity" (protobuf's JSON mapping), so a response is never invalid JSON. With
-`custom_output_encoding: "base64"` the value is `{"dtype", "shape", "data"}` with the raw
-little-endian bytes base64-encoded, bit-exact.
+Floats widen exactly and non-finite ones become "NaN" / "Infinity" / "-Infinity" (DESIGN.md);
+`custom_output_encoding: "base64"` sends the raw little-endian bytes base64-encoded.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ def _nested(obj: Any) -> Any:
 
 
 def encode_value(value: dict | None, encoding: str = "json") -> Any:
-    """Wire value -> the JSON value sent to clients ([x] or [[a, b, ...]] for one row), or the
-    base64 object. None stays None (callers then omit the field)."""
+    """Wire value -> the JSON value or base64 object sent to clients; None stays None."""
     if value is None:
         return None
     if encoding == "base64":

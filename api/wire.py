@@ -44,10 +44,8 @@ class AbortRequest:
 
 @dataclass
 class DrainRequest:
-    """API -> coordinator: the API process itself got SIGTERM or SIGINT (systemd's default
-    KillMode signals every process of a unit): drain as on a signal to rank 0. signal_time:
-    when it came, on the host's monotonic clock (both processes share it); rank 0 may read
-    the message only after a long step."""
+    """API -> coordinator: the API process got SIGTERM or SIGINT; drain as on a signal to
+    rank 0 at signal_time (the host's monotonic clock)."""
 
     signal: int
     signal_time: float = 0.0
@@ -83,22 +81,20 @@ class RequestOutput:
     error_message: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    # on the accept answer: the coordinator detects this request's stop strings itself (it
-    # scores the last kept token, LAST_GENERATED), so a choice cut by one waits for its final
-    # output; sent only when true
+    # on the accept answer: the coordinator detects the stop strings (a cut choice waits for
+    # its final output); sent only when true
     engine_stop_strings: bool = False
-    # on a rejection: the request field at fault, by the engine's names (SamplingParams'
-    # max_new_tokens, "prompt", "custom_output_params"); sent only when set
+    # on a rejection: the request field at fault, by the engine's names; sent only when set
     error_param: str | None = None
+    # "prefix_reuse": the selected prompt position came from the prefix cache; sent if set
+    custom_output_omitted: str | None = None
 
 
 @dataclass
 class Outputs:
-    """Coordinator -> API: one engine step's news. The usual decode news of a request, one
-    new token for its only sequence with nothing else to say (n = 1, no beams, no logprobs,
-    not its first token, not finished), travels in two columns: request token_request_ids[i]
-    got token new_token_ids[i]. Everything else is a full RequestOutput in `outputs`.
-    Iterating yields every request's output, the columns expanded into RequestOutputs."""
+    """Coordinator -> API: one engine step's news. A plain decode token travels in two
+    columns (request token_request_ids[i] got new_token_ids[i]), the rest as full outputs;
+    iterating yields every request's output, the columns expanded."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     token_request_ids: list[str] = field(default_factory=list)
@@ -125,7 +121,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     custom_output_calls: int = 0
-    custom_output_errors: int = 0
+    custom_output_errors: int = 0  # forward() calls that failed (606 for their rows' requests)
+    custom_output_selector_invalid: int = 0  # requests whose selector raised ValueError (605)
+    custom_output_selector_errors: int = 0  # requests whose selector raised anything else (606)
     engine_steps: int = 0  # steps that ran a forward, since start
     engine_steps_ahead: int = 0  # of them launched ahead of their predecessor's sampling
     TYPE = "stats"
@@ -134,8 +132,7 @@ class EngineStats:
 @dataclass
 class Shutdown:
     """Coordinator -> API: the engine is stopping; answer new requests 503. `stopped`: it
-    has stopped, so a request still waiting for outputs gets none (a failure exit) and is
-    answered with an error at once."""
+    has stopped, so requests in flight are answered with an error at once."""
 
     reason: str = ""
     stopped: bool = False
@@ -149,8 +146,7 @@ _MESSAGE_TYPES = {
 
 
 def encode(message: Any) -> bytes:
-    """msgpack bytes of a message (Outputs, the per-step hot path, without asdict's deep
-    copies: same bytes, several times faster)."""
+    """msgpack bytes of a message (Outputs without asdict's deep copies: the same bytes)."""
     if isinstance(message, Outputs):
         body = {
             "outputs": [_output_body(o) for o in message.outputs],
@@ -184,13 +180,15 @@ def _output_body(out: RequestOutput) -> dict:
         del body["engine_stop_strings"]
     if body["error_param"] is None:
         del body["error_param"]
+    if body["custom_output_omitted"] is None:
+        del body["custom_output_omitted"]
     body["sequences"] = [_sequence_body(s) for s in out.sequences]
     return body
 
 
 def _sequence_body(seq: SequenceOutput) -> dict:
     body = dict(seq.__dict__)
-    if body["custom_output"] is None:  # absent unless set: the same bytes as before the field
+    if body["custom_output"] is None:  # absent unless set
         del body["custom_output"]
     return body
 

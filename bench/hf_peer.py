@@ -6,7 +6,7 @@ a config.json. Prints output tokens / wall time and, given our time, the ratio.
 
     python bench/hf_peer.py --model-config bench/configs/qwen3-0.6b.json [--ours-seconds 5.29]
 
-It takes minutes on an H200 (206.99 s in the 15th session; 222.9 s in shared/gpu/README.md),
+It takes minutes on an H200 (206.99 s on 2026-11-30; 222.9 s in shared/gpu/README.md),
 so it is a command of its own. The clock starts after `manager.start()` returns, just
 before the first request is added. `--num-seqs 4 --max-input 110 --max-output 105` runs a small case (CPU too)
 to check the script (lengths are drawn from [100, max]).

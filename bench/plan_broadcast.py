@@ -8,7 +8,7 @@ Goal: at most 1.5x the bare broadcast.
 Block tables travel in the dtype the engine picks for the bench's pool (uint16 up to 65,536
 blocks: ranks.plan.block_table_dtype); --int32-tables sends them as int32 for comparison.
 --cpus-per-rank K pins rank r (and the gloo threads it starts) to cores [r*K, (r+1)*K)
-(docs/benchmarks.md, 23rd session: two cores a rank helped on average, one core a rank that
+(docs/benchmarks.md, 2026-12-06: two cores a rank helped on average, one core a rank that
 polls for plans is far worse).
 
 The batch is the engine's: the real Scheduler and BlockManager schedule it (prompts of

@@ -205,7 +205,7 @@ def run_engine(
     per-request timestamps of each step's outputs play the role of streamed chunks."""
     from tapserve import launch
     from tapserve.api.sampling_params import SamplingParams
-    from tapserve.coordinator.config import build_engine, build_runner
+    from tapserve.coordinator.startup import build_engine, build_runner
 
     config = launch.engine_config(launch.parse_args(launch_argv))
     engine = build_engine(config, build_runner(config))

@@ -35,7 +35,8 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
-from tapserve.coordinator.engine import Engine, EngineOptions  # noqa: E402
+from tapserve.coordinator.config import EngineOptions  # noqa: E402
+from tapserve.coordinator.engine import Engine  # noqa: E402
 from tapserve.coordinator.scheduler import SchedulerConfig  # noqa: E402
 from tapserve.model.layers import TPGroup  # noqa: E402
 from tapserve.ranks.plan import StepPlan  # noqa: E402
@@ -140,8 +141,8 @@ def time_phases(engine: Engine) -> dict[str, float]:
         "build": (engine.planner, "build"),
         "execute": (engine.runner, "execute"),
         "postprocess": (engine, "_postprocess"),
-        "sample": (engine, "_sample"),
-        "append": (engine, "_append_plain"),
+        "sample": (engine.tokens, "sample"),
+        "append": (engine.tokens, "append_plain"),
         "outputs": (engine, "_collect_outputs"),
     }
     for name, (owner, attr) in targets.items():

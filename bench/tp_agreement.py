@@ -44,7 +44,8 @@ def sequences(num: int, length: int, vocab: int) -> list[list[int]]:
 
 def score(args) -> None:
     from tapserve.api.sampling_params import SamplingParams
-    from tapserve.coordinator.config import EngineConfig, rank0_engine, stop_group
+    from tapserve.coordinator.config import EngineConfig
+    from tapserve.coordinator.startup import rank0_engine, stop_group
 
     started = rank0_engine(
         EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=1024)

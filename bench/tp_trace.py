@@ -28,7 +28,8 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 
 from tapserve.bench.offline import config_dir  # noqa: E402
 from tapserve.bench.tp_worker import batch1_plan  # noqa: E402
-from tapserve.coordinator.config import EngineConfig, start_rank, stop_group  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.startup import start_rank, stop_group  # noqa: E402
 from tapserve.ranks.group import shutdown_distributed  # noqa: E402
 from tapserve.ranks.plan import StepKind  # noqa: E402
 

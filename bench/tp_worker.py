@@ -20,7 +20,8 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
 from tapserve.bench.decode_sweep import weight_bytes  # noqa: E402
 from tapserve.bench.offline import config_dir, print_step_profile, workload  # noqa: E402
-from tapserve.coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.startup import rank0_engine, stop_group  # noqa: E402
 from tapserve.ranks.plan import StepKind, StepPlan  # noqa: E402
 
 

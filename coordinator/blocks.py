@@ -1,9 +1,7 @@
 """KV block allocator with a prefix cache.
 
-A full block is identified by a chained hash: hash(previous block's hash, its tokens), so
-equal hashes mean equal prefixes (the stored tokens are compared too, against collisions).
-Blocks are registered in the cache once their KV is computed. Freed blocks keep their hash
-and stay reusable until the allocator needs them; the least recently freed goes first (LRU).
+A full block is cached under a chained hash of its prefix once its KV is computed; freed
+blocks stay reusable until the allocator takes them back, least recently freed first.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ class BlockManager:
     free: OrderedDict[int, None] = field(init=False)  # block ids with ref_count 0, LRU first
     cached: dict[int, int] = field(init=False)  # hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    # stamps for Sequence.block_table_version, unique across sequences: equal stamps mean the
-    # same table, so the planner's block-table buffer compares stamps alone
+    # stamps for Sequence.block_table_version: equal stamps mean the same table
     _table_stamps: Iterator[int] = field(init=False, default_factory=lambda: count(1))
 
     def __post_init__(self) -> None:
@@ -98,10 +95,8 @@ class BlockManager:
         return num_cached
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make room for the sequence's newest token (call before a decode step). The partly
-        filled block it writes into, if still shared with a fork, is first copied to a block
-        of its own (copy-on-write): the returned (src, dst) copy must run on every rank
-        before the next forward."""
+        """Make room for the sequence's newest token, copying a block shared with a fork
+        first; the returned (src, dst) copy must run on every rank before the next forward."""
         copy = None
         i = self._shared_write_block(seq)
         if i is not None:
@@ -116,15 +111,12 @@ class BlockManager:
         return copy
 
     def append_block(self, seq: Sequence) -> None:
-        """Give seq one more block at the end of its table (a steady decode row whose next
-        token outgrows its blocks: the scheduler's arrays say so, whether or not the
-        sequence holds its newest token yet). Never shared: single requests do not fork."""
+        """Give seq one more, unshared block at the end of its table (a steady decode row)."""
         seq.block_table.append(self._take_fresh())
         self._restamp(seq, appended=True)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Share all of parent's blocks with child. A partly filled last block is copied
-        only when one of them writes into it (append_slot), so a fork allocates nothing."""
+        """Share all of parent's blocks with child; allocates nothing (see append_slot)."""
         child.block_table = list(parent.block_table)
         self._restamp(child)
         for block_id in child.block_table:
@@ -187,8 +179,7 @@ class BlockManager:
         return seq.num_tokens > len(seq.block_table) * self.block_size
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
-        """Index in seq's block table of the block its next computed token goes into, if
-        another sequence shares that block (a fork's partly filled block)."""
+        """Index of the block seq's next computed token goes into, if another sequence shares it."""
         i = seq.num_computed_tokens // self.block_size
         if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
             return i

@@ -3,24 +3,27 @@ the handler once per step on the selected rows (one device-to-host copy per step
 
 from __future__ import annotations
 
+import difflib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
+from tapserve.coordinator.handler_failures import FailureLog, log
 from tapserve.coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
 from tapserve.model.custom_output import (
     ALLOWED_DTYPES,
     CustomOutputError,
     HandlerLoadError,
+    check_labels,
     check_output,
     describe,
     describe_error,
     load_handler_class,
-    module_weights_file,
+    names_a_module_file,
     startup_step,
 )
 from tapserve.model.loader import open_safetensors, safetensors_files
@@ -29,13 +32,20 @@ from tapserve.model.loader import open_safetensors, safetensors_files
 class RequestError(Exception):
     """A request is refused or failed: code 605 (INVALID_PARAMS) or 606 (EXECUTION_EXCEPTION)."""
 
-    def __init__(self, code: int, message: str, param: str | None = None):
+    def __init__(
+        self,
+        code: int,
+        message: str,
+        param: str | None = None,
+        selector_error: BaseException | None = None,
+    ):
         """param: the request field at fault, by the engine's names (max_new_tokens,
-        custom_output_params, ...), when one is."""
+        custom_output_params, ...), when one is. selector_error: what the selector raised."""
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.selector_error = selector_error
 
 
 def build_handler(
@@ -63,42 +73,75 @@ def build_handler(
             raise HandlerLoadError(
                 f"custom handler {cls.__name__} names weights but has no method load_weights()"
             )
-        beside = module_weights_file(spec) or _weights_beside_class(cls)
-        tensors = _find_tensors(names, model_dir, beside, device)
+        tensors = _find_tensors(names, model_dir, _weights_beside(spec, cls), device)
         with startup_step(f"custom handler {cls.__name__}.load_weights() failed"):
             handler.load_weights(tensors)
     with startup_step("custom handler dry run failed"), torch.inference_mode():
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
-        check_output(handler.forward(zero), 1)
+        dry_run = check_output(handler.forward(zero), 1)
+    check_labels(handler, dry_run)
     return handler
 
 
-def _weights_beside_class(cls: type) -> Path | None:
-    """<module_stem>.safetensors beside the file defining cls (package.module:Class specs)."""
+def _weights_beside(spec: str, cls: type) -> list[Path]:
+    """Where <module_stem>.safetensors may be: beside the spec's module file, then beside the
+    file that defines the class (package.module:Class specs); the first that exists counts."""
+    paths: list[Path] = []
+    target = spec.partition(":")[0]
+    if names_a_module_file(target):
+        paths.append(Path(target).with_suffix(".safetensors"))
     try:
-        path = Path(inspect.getfile(cls)).with_suffix(".safetensors")
+        paths.append(Path(inspect.getfile(cls)).with_suffix(".safetensors"))
     except (TypeError, OSError):
-        return None
-    return path if path.is_file() else None
+        pass
+    unique = {p.resolve(): p for p in reversed(paths)}  # (the spec's spelling first)
+    return list(reversed(unique.values()))
 
 
 def _find_tensors(
-    names: list[str], model_dir: Path | None, extra: Path | None, device: torch.device
+    names: list[str], model_dir: Path | None, beside: list[Path], device: torch.device
 ) -> dict[str, torch.Tensor]:
+    extra = next((p for p in beside if p.is_file()), None)
     files = (safetensors_files(model_dir) if model_dir else []) + ([extra] if extra else [])
     found: dict[str, torch.Tensor] = {}
+    held: dict[Path, list[str]] = {}
     for path in files:
         with open_safetensors(path) as f:
-            for name in set(names) & set(f.keys()) - set(found):
+            held[path] = list(f.keys())
+            for name in set(names) & set(held[path]) - set(found):
                 found[name] = f.get_tensor(name).to(device)
     missing = [n for n in names if n not in found]
     if missing:
-        raise HandlerLoadError(
-            f"custom handler weights not found: {missing} (looked in "
-            f"{[str(p) for p in files]}, then for <module_stem>.safetensors "
-            f"beside the module)"
-        )
+        raise HandlerLoadError(_missing_weights_message(missing, held, beside, extra))
     return found
+
+
+MAX_LISTED_TENSORS = 30
+
+
+def _missing_weights_message(
+    missing: list[str], held: dict[Path, list[str]], beside: list[Path], extra: Path | None
+) -> str:
+    """The missing names, each file searched with its tensor names, the <module_stem>
+    paths tried, and each missing name's closest held name."""
+    lines = [f"custom handler weights not found: {missing}"]
+    for path, keys in held.items():
+        shown = sorted(keys)[:MAX_LISTED_TENSORS]
+        more = f" and {len(keys) - len(shown)} more" if len(keys) > len(shown) else ""
+        lines.append(f"  searched {path} ({len(keys)} tensors): {shown}{more}")
+    for path in beside:  # (the first that exists is the one searched)
+        if path == extra:
+            break
+        lines.append(f"  searched {path} (<module_stem>.safetensors): no such file")
+    if not beside:
+        lines.append("  no <module_stem>.safetensors: the handler class has no source file")
+    every = sorted({k for keys in held.values() for k in keys})
+    for name in missing:
+        close = difflib.get_close_matches(name, every, n=1, cutoff=0.6)
+        lines.append(
+            f"  closest to {name!r}: {close[0]!r}" if close else f"  nothing close to {name!r}"
+        )
+    return "\n".join(lines)
 
 
 def select_position(
@@ -132,10 +175,13 @@ def select_position(
             INVALID_PARAMS,
             f"custom output selection: {describe_error(e, with_type=False)}",
             "custom_output_params",
+            selector_error=e,
         ) from None
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
         raise RequestError(
-            EXECUTION_EXCEPTION, f"custom output selection failed: {describe_error(e)}"
+            EXECUTION_EXCEPTION,
+            f"custom output selection failed: {describe_error(e)}",
+            selector_error=e,
         ) from None
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool):
         raise RequestError(
@@ -170,8 +216,32 @@ def select_position(
 
 @dataclass
 class CustomOutputStats:
-    calls: int = 0
-    errors: int = 0
+    """Handler counters (wire.EngineStats, /metrics) and the failures' log."""
+
+    calls: int = 0  # forward() calls
+    errors: int = 0  # forward() calls that failed: 606 for every request with rows in them
+    selector_invalid: int = 0  # requests whose selector raised ValueError: 605
+    selector_errors: int = 0  # requests whose selector raised anything else: 606
+    failures: FailureLog = field(default_factory=FailureLog)
+
+    def selector_failed(self, request_id: str, e: RequestError) -> None:
+        """A request refused because its selector raised: counted; a 606 logged with the
+        selector's traceback (rate-limited), a 605 at debug level."""
+        if e.code == INVALID_PARAMS:
+            self.selector_invalid += 1
+            log.debug("request %s: 605 from the custom output selector: %s", request_id, e.message)
+            return
+        self.selector_errors += 1
+        message = f"request {request_id}: 606 {e.message}"
+        self.failures.failed("selector", message, e.selector_error or e)
+
+    def forward_failed(self, rows: int, error: BaseException) -> None:
+        self.errors += 1
+        message = (
+            f"custom output processor failed on {rows} rows (606 for their requests): "
+            f"{describe_error(error)}"
+        )
+        self.failures.failed("forward", message, error)
 
 
 @dataclass
@@ -199,11 +269,11 @@ def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputS
         with torch.inference_mode():  # the hidden states are inference tensors; no autograd
             out = check_output(handler.forward(hidden_rows), rows)
             host = out.detach().contiguous().cpu()  # the step's one device-to-host copy
-    except CustomOutputError:
-        stats.errors += 1
+    except CustomOutputError as e:
+        stats.forward_failed(rows, e)
         raise
     except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
-        stats.errors += 1
+        stats.forward_failed(rows, e)
         raise CustomOutputError(describe_error(e)) from e
     raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
     return HostRows(ALLOWED_DTYPES[host.dtype], raw.numpy())

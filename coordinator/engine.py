@@ -1,9 +1,9 @@
 """The engine on rank 0: requests in, one step at a time, outputs out.
 
 Each step: schedule -> build the plan -> hand it to every rank (broadcast) -> run rank 0's
-forward -> custom outputs, sampling, forks and beams (coordinator/engine_tokens.py) ->
-outputs. A plain decode step may run ahead of its sampling (coordinator/run_ahead.py). `LLM.generate` in
-coordinator/offline.py drives it for offline use; coordinator/loop.py drives it for serving.
+forward -> custom outputs, sampling, forks and beams (TokenSteps) -> outputs. A plain decode
+step may run ahead of its sampling (coordinator/run_ahead.py). `LLM.generate`
+(coordinator/offline.py) and coordinator/loop.py drive it.
 """
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from itertools import count
 
 import numpy as np
 import torch
 
 from tapserve.api.detokenizer import Decoder
-from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.sampling_params import BatchDraw, SamplingParams
 from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, Outputs, RequestOutput
 from tapserve.coordinator.beam_search import BeamSearch
 from tapserve.coordinator.blocks import BlockManager
+from tapserve.coordinator.config import EngineOptions
 from tapserve.coordinator.custom_outputs import (
     LAST_GENERATED,
     CustomOutputStats,
@@ -38,7 +39,7 @@ from tapserve.coordinator.planner import Planner, PlanRows
 from tapserve.coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
 from tapserve.coordinator.sampler import Sampler, to_device
 from tapserve.coordinator.scheduled_batch import ScheduledBatch
-from tapserve.coordinator.scheduler import Scheduler, SchedulerConfig
+from tapserve.coordinator.scheduler import Scheduler
 from tapserve.coordinator.sequence import Request, Sequence, SequenceFactory
 from tapserve.coordinator.stop_strings import truncate_output, watches_stop_strings
 from tapserve.coordinator.validation import validate_prompt, validate_rows
@@ -49,26 +50,9 @@ from tapserve.ranks.runner import ModelRunner, StepOutput
 log = logging.getLogger("tapserve.coordinator")
 
 
-@dataclass
-class EngineOptions:
-    max_model_len: int
-    eos_token_ids: list[int]
-    vocab_size: int
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    enable_prefix_caching: bool = True
-    custom_output_reuse: str = "omit"  # or "recompute"
-    seed: int = 0
-    output_workers: int = 0  # custom-output dispatch threads (0 = serial)
-    # plain decode steps run ahead of their sampling (coordinator/run_ahead.py); None: on
-    # CUDA, where it pays (the CPU computes synchronously anyway)
-    async_scheduling: bool | None = None
+class Engine:
+    """Rank 0's engine: add_request, step until has_work() is False, abort_request."""
 
-    def __post_init__(self) -> None:
-        if self.custom_output_reuse not in ("omit", "recompute"):
-            raise ValueError("custom_output_reuse must be omit or recompute")
-
-
-class Engine(TokenSteps):
     def __init__(
         self,
         runner: ModelRunner,
@@ -83,15 +67,10 @@ class Engine(TokenSteps):
         keepalive: with other ranks, heartbeat plans while the handler runs."""
         capacity = runner.num_blocks * runner.cfg.block_size
         if options.max_model_len > capacity:  # one sequence must always fit the KV cache
-            log.warning(
-                "max_model_len %d exceeds the KV cache (%d tokens): capped to %d",
-                options.max_model_len,
-                capacity,
-                capacity,
-            )
+            message = "max_model_len %d exceeds the KV cache (%d tokens): capped to %d"
+            log.warning(message, options.max_model_len, capacity, capacity)
             options = replace(options, max_model_len=capacity)
         self.runner, self.options, self.handler = runner, options, handler
-        self.text_decoder = text_decoder
         self.send_plan = send_plan
         self._handler_busy = keepalive.busy if keepalive is not None else nullcontext
         self.blocks = BlockManager(
@@ -106,20 +85,30 @@ class Engine(TokenSteps):
         self.sampler = Sampler(options.seed, runner.device)
         self.beams = BeamSearch()
         self.seqs = SequenceFactory()
+        self.tokens = TokenSteps(
+            self.sampler, self.scheduler, self.blocks, self.seqs, self.beams, options, text_decoder
+        )
         self.requests: dict[str, Request] = {}
         self.custom_stats = CustomOutputStats()
         self.dispatcher = OutputDispatcher(options.output_workers)
         self._custom_pending: list[tuple[Sequence, object]] = []  # (sequence, Future of its value)
         self._arrivals = count()
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
-        self._stop_cuts: list[tuple[Sequence, int]] = []  # (sequence, output tokens to keep)
         self.columns = SteadyColumns()
         self.run_ahead = self._wants_run_ahead(options.async_scheduling, runner)
+        self.fast_draws = True  # False (tests): every request samples by the general path
         self._token_copies = TokenCopies(options.scheduler.max_num_seqs, runner.device)
         self._ahead: AheadStep | None = None  # the decode step in flight, its host work to do
-        self._num_finished = 0  # sequences finished so far (AheadStep.num_finished_at_launch)
         self.num_steps = 0  # steps that ran a forward
         self.num_ahead_steps = 0  # of them launched ahead of their predecessor's sampling
+
+    @property
+    def text_decoder(self) -> Decoder | None:
+        return self.tokens.text_decoder
+
+    @text_decoder.setter
+    def text_decoder(self, decoder: Decoder | None) -> None:
+        self.tokens.text_decoder = decoder
 
     @staticmethod
     def _wants_run_ahead(asked: bool | None, runner: ModelRunner) -> bool:
@@ -147,6 +136,7 @@ class Engine(TokenSteps):
             params,
             next(self._arrivals),
             custom_position=pos,
+            fast_draw=params.batch_draw if self.fast_draws else BatchDraw.GENERAL,
             **self._decode_checks(params, len(prompt_token_ids)),
         )
         validate_rows(request.max_rows, params, self.options)
@@ -160,7 +150,9 @@ class Engine(TokenSteps):
         request.single = params.n == 1 and params.num_beams == 1 and not request.watch_stop_strings
         request.token_columns = request.single and not params.logprobs and params.max_new_tokens > 0
         request.runs_ahead = (
-            request.token_columns and pos != LAST_GENERATED and params.batch_draw != ""
+            request.token_columns
+            and pos != LAST_GENERATED
+            and request.fast_draw is not BatchDraw.GENERAL
         )
         self.seqs.prompt_sequence(request)
         self.requests[request_id] = request
@@ -191,10 +183,10 @@ class Engine(TokenSteps):
     def step(self) -> Outputs:
         """One engine step; its outputs (and those produced since the last step, e.g. aborts)."""
         outputs, self._ready = Outputs(self._ready), []
-        for seq, kept in self._stop_cuts:  # cut by a stop string in the last step
+        cuts, self.tokens.stop_cuts = self.tokens.stop_cuts, []
+        for seq, kept in cuts:  # cut by a stop string in the last step
             if seq.scoring_reason is not None and not seq.is_finished:
                 truncate_output(seq, kept)
-        self._stop_cuts = []
         if self._ahead is not None:
             # one step's host work per call: a drained step's column news must not share an
             # Outputs with a later full output of the same request (columns are read last)
@@ -217,7 +209,9 @@ class Engine(TokenSteps):
         return outputs
 
     # ---- steps ahead of their predecessor's sampling (coordinator/run_ahead.py) -----------
-    def _ahead_draw(self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows) -> str | None:
+    def _ahead_draw(
+        self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows
+    ) -> BatchDraw | None:
         """The draw by which this step's tokens stay on the device while the next step is
         launched, or None (the step is finished synchronously)."""
         if (
@@ -250,17 +244,17 @@ class Engine(TokenSteps):
         self._finish_ahead(ahead, outputs)
 
     def _launch_ahead(
-        self, batch: ScheduledBatch, logits: torch.Tensor, draw: str, params: list | None
+        self, batch: ScheduledBatch, logits: torch.Tensor, draw: BatchDraw, params: list | None
     ) -> None:
-        """Sample on the device as _draw_batch would, and keep the step in flight."""
-        if draw == "greedy":
+        """Sample on the device as TokenSteps.sample would, and keep the step in flight."""
+        if draw is BatchDraw.GREEDY:
             tokens = self.sampler.greedy_tensor(logits)
-        elif draw == "temperature":
+        elif draw is BatchDraw.TEMPERATURE:
             tokens = self.sampler.temperature_tensor(logits, params)
         else:
             tokens = self.sampler.plain_tensor(logits, params)
         self._ahead = AheadStep(
-            batch, tokens, self._token_copies.start(tokens), draw, params, self._num_finished
+            batch, tokens, self._token_copies.start(tokens), draw, params, self.tokens.num_finished
         )
         self.scheduler.note_advanced(batch, None)
         self.num_ahead_steps += 1
@@ -270,7 +264,7 @@ class Engine(TokenSteps):
         that finished or was aborted since has had its final output) take their tokens."""
         tokens, batch = ahead.pending.wait(), ahead.batch
         seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
-        none_finished = ahead.num_finished_at_launch == self._num_finished
+        none_finished = ahead.num_finished_at_launch == self.tokens.num_finished
         rows = (
             range(len(seqs))
             if none_finished
@@ -282,7 +276,9 @@ class Engine(TokenSteps):
             if computed % size == 0:
                 self.blocks.register_computed(seq)  # its step filled a block
         items = [(i, seqs[i]) for i in rows]
-        plain = self._append_plain(items, tokens if none_finished else [tokens[i] for i in rows])
+        plain = self.tokens.append_plain(
+            items, tokens if none_finished else [tokens[i] for i in rows]
+        )
         if none_finished:
             self._collect_outputs(batch, outputs, tokens if plain else None)
             return
@@ -308,7 +304,7 @@ class Engine(TokenSteps):
                 rows.custom_seqs,
             )
             live = [(i, s) for i, s in live if s.request.error_code is None]  # the handler failed
-        advanced = self._sample(result.logits, live) if live else None
+        advanced = self.tokens.sample(result.logits, live) if live else None
         self._collect_custom()
         if (
             advanced is not None
@@ -327,7 +323,7 @@ class Engine(TokenSteps):
         (coordinator/outputs.py), a full RequestOutput for the rest."""
         for request in self.columns.put(batch, advanced, outputs):
             if request.params.max_new_tokens == 0:
-                self._finish_scoring_only(request)
+                self.tokens.finish_scoring_only(request)
             outputs.outputs.append(self._output(request))
 
     def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -364,26 +360,17 @@ class Engine(TokenSteps):
                 seq.custom_output = value
                 if seq.hypothesis is not None:  # a fork scoring a finished beam
                     seq.hypothesis.custom_output = value
-                self._finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
+                self.tokens.finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
 
     def close(self) -> None:
         """Stop the output dispatcher's threads (the engine is not used afterwards)."""
         self.dispatcher.close()
 
-    def _finish_scoring_only(self, request: Request) -> None:
-        seq = request.sequences[0]
-        if (
-            request.params.max_new_tokens == 0
-            and not seq.is_finished
-            and seq.num_computed_tokens == seq.num_tokens
-        ):
-            self._finish_seq(seq, "length")
-
     # ---- finishing -----------------------------------------------------------------------
     def _finish_request(self, request: Request, reason: str) -> None:
         self.scheduler.drop_waiting(request)
         for seq in request.live_sequences:
-            self._finish_seq(seq, reason)
+            self.tokens.finish_seq(seq, reason)
 
     def _fail(self, request: Request, code: int, message: str) -> None:
         request.error_code, request.error_message = code, message

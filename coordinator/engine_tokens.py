@@ -1,47 +1,48 @@
-"""Turning a step's logits into tokens on rank 0: sampling, forks (n > 1), beams, appends,
-stop checks and finishing a sequence.
-
-`TokenSteps` is the base class of `coordinator.engine.Engine`, split out to keep each file
-readable; it uses the engine's attributes declared below (set in `Engine.__init__`).
-"""
+"""Turning a step's logits into tokens on rank 0 (TokenSteps, built and called by the Engine):
+sampling, forks (n > 1), beams, appends, stop checks and finishing a sequence."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from tapserve.api.detokenizer import Decoder
+from tapserve.api.sampling_params import BatchDraw
 from tapserve.coordinator.beam_search import BeamSearch
 from tapserve.coordinator.blocks import BlockManager
+from tapserve.coordinator.config import EngineOptions
 from tapserve.coordinator.custom_outputs import LAST_GENERATED
 from tapserve.coordinator.sampler import Sampler, SampleRow
 from tapserve.coordinator.scheduler import Scheduler
 from tapserve.coordinator.sequence import Request, SeqStatus, Sequence, SequenceFactory
 from tapserve.coordinator.stop_strings import kept_output_tokens
 
-if TYPE_CHECKING:
-    from tapserve.coordinator.engine import EngineOptions
-
 
 class TokenSteps:
-    """Sampling and stop handling of the engine (see coordinator/engine.py)."""
+    """Sampling, appends, stop checks and finishes of the engine's sequences."""
 
-    options: EngineOptions
-    scheduler: Scheduler
-    blocks: BlockManager
-    sampler: Sampler
-    beams: BeamSearch
-    seqs: SequenceFactory
-    text_decoder: object | None
-    _stop_cuts: list[tuple[Sequence, int]]
-    _num_finished: int
+    def __init__(
+        self,
+        sampler: Sampler,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        seqs: SequenceFactory,
+        beams: BeamSearch,
+        options: EngineOptions,
+        text_decoder: Decoder | None = None,
+    ):
+        """options: the engine's, read at each use; text_decoder: as Engine's."""
+        self.sampler, self.scheduler, self.blocks = sampler, scheduler, blocks
+        self.seqs, self.beams, self.options = seqs, beams, options
+        self.text_decoder = text_decoder
+        self.stop_cuts: list[tuple[Sequence, int]] = []  # (sequence, output tokens to keep)
+        self.num_finished = 0  # sequences finished so far (AheadStep.num_finished_at_launch)
 
     # ---- sampling, forks, beams ---------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> list[int] | None:
+    def sample(self, logits: torch.Tensor, live: list[tuple[int, Sequence]]) -> list[int] | None:
         """Sample every live row; returns the tokens when one draw served the whole batch
         and no row needed a stop check (each sequence just gained its token)."""
         draws = {s.request.batch_draw for _, s in live}
-        if "" not in draws:  # the usual decode step: one draw for the whole batch
+        if BatchDraw.GENERAL not in draws:  # the usual decode step: one draw for the batch
             return self._draw_batch(logits, live, draws)
         if all([s.request.params.num_beams == 1 for _, s in live]):
             self._sample_rows(logits, live)  # no beams
@@ -62,21 +63,21 @@ class TokenSteps:
         return None
 
     def _draw_batch(
-        self, logits: torch.Tensor, items: list[tuple[int, Sequence]], draws: set[str]
+        self, logits: torch.Tensor, items: list[tuple[int, Sequence]], draws: set[BatchDraw]
     ) -> list[int] | None:
-        """Rows that all have a batch_draw ("greedy", "temperature" or "plain"): one argmax
-        or one draw for the whole batch. Returns the tokens if no row needed a stop check."""
+        """One draw for rows that all have a fast batch_draw; the tokens if no row needed a
+        stop check."""
         if len(items) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _ in items], device=logits.device)]
-        if draws == {"greedy"}:
+        if draws == {BatchDraw.GREEDY}:
             tokens = self.sampler.greedy(logits)
-        elif draws == {"temperature"}:
+        elif draws == {BatchDraw.TEMPERATURE}:
             tokens = self.sampler.sample_temperature(
                 logits, [s.request.params.temperature for _, s in items]
             )
         else:
             tokens = self.sampler.sample_plain(logits, [s.request.params for _, s in items])
-        return tokens if self._append_plain(items, tokens) else None
+        return tokens if self.append_plain(items, tokens) else None
 
     def _sample_rows(self, logits: torch.Tensor, items: list[tuple[int, Sequence]]) -> None:
         """A SampleRow per row; forks an unforked request into its n samples."""
@@ -98,14 +99,13 @@ class TokenSteps:
             if not seq.request.forked:
                 targets += self._fork(seq, seq.request.params.n - 1)
                 seq.request.forked = True
-                seq.request.batch_draw = seq.request.params.batch_draw
+                seq.request.batch_draw = seq.request.fast_draw
             for j, target in enumerate(targets):
                 top = result.top_logprobs[k][j] if result.top_logprobs else None
                 self._append(target, result.token_ids[k][j], result.logprobs[k][j], top)
 
-    def _append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> bool:
-        """_append for plain-sampling sequences (no logprobs to keep), the stop check inlined.
-        True when no row needed the stop check."""
+    def append_plain(self, items: list[tuple[int, Sequence]], tokens: list[int]) -> bool:
+        """_append for plain-sampling sequences; True when no row needed the stop check."""
         plain = True
         for (_, seq), token in zip(items, tokens):
             token_ids = seq.token_ids
@@ -143,7 +143,7 @@ class TokenSteps:
             self._score_hypotheses(request, beams, before)
         if done:
             for seq in beams:
-                self._finish_seq(seq, "length")
+                self.finish_seq(seq, "length")
             return
         used: set[int] = set()
         assignments = []
@@ -154,7 +154,7 @@ class TokenSteps:
             assignments.append((target, token, score))
         for pos, parent in enumerate(beams):
             if pos not in used:
-                self._finish_seq(parent, "pruned", emit=False)
+                self.finish_seq(parent, "pruned", emit=False)
         for i, (target, token, score) in enumerate(assignments):
             target.index = i
             self._append(target, token, None, None, score=score)
@@ -185,27 +185,24 @@ class TokenSteps:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         watch = seq.request.watch_stop_strings
         reason = self._stop_reason(seq, token)
-        # a stop id or EOS ending the sequence: the API leaves its text out (and drops the
-        # characters held for completion), so stop strings are looked for without it here too
+        # as the API, a stop id or EOS ending the sequence is left out of the text
         left_out = int(reason == "stop" and not seq.request.params.include_stop_str_in_output)
         if watch and self._cut_by_stop_string(seq, left_out=left_out):
             return
         if reason and watch and not left_out and self._cut_by_stop_string(seq, final=True):
             return  # a stop string in the characters held until the end
         if reason:
-            self._finish_seq(seq, reason)
+            self.finish_seq(seq, reason)
 
     def _cut_by_stop_string(self, seq: Sequence, final: bool = False, left_out: int = 0) -> bool:
-        """A stop string matched: finish "stop"; the last kept token is scored in the next
-        step (none kept: no value). The tokens after it are dropped only once this step's
-        output carried them, so the API process sees the same tokens and cuts its text at
-        the same place."""
+        """A stop string matched: finish "stop", the last kept token scored in the next step;
+        later tokens are dropped once this step's output carried them."""
         kept = kept_output_tokens(seq, self.text_decoder, final, left_out)
         if kept is None:
             return False
         if kept:
-            self._stop_cuts.append((seq, kept))
-        self._finish_seq(seq, "stop", score=kept > 0)
+            self.stop_cuts.append((seq, kept))
+        self.finish_seq(seq, "stop", score=kept > 0)
         return True
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -220,9 +217,9 @@ class TokenSteps:
         return None
 
     # ---- finishing -----------------------------------------------------------------------
-    def _finish_seq(
-        self, seq: Sequence, reason: str, emit: bool = True, score: bool = True
-    ) -> None:
+    def finish_seq(self, seq: Sequence, reason: str, emit: bool = True, score: bool = True) -> None:
+        """Finish seq for reason and free its blocks (a LAST_GENERATED one first scores its
+        last token, in the next step); emit False drops it from its request's outputs."""
         if seq.is_finished:
             return
         if reason in ("stop", "length") and score and self._scores_last_token(seq):
@@ -230,10 +227,20 @@ class TokenSteps:
             return
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self._num_finished += 1
+        self.num_finished += 1
         self.scheduler.remove(seq)
         if not emit:
             seq.request.sequences.remove(seq)
+
+    def finish_scoring_only(self, request: Request) -> None:
+        """A max_new_tokens 0 request ends "length" once its prompt is computed."""
+        seq = request.sequences[0]
+        if (
+            request.params.max_new_tokens == 0
+            and not seq.is_finished
+            and seq.num_computed_tokens == seq.num_tokens
+        ):
+            self.finish_seq(seq, "length")
 
     @staticmethod
     def _scores_last_token(seq: Sequence) -> bool:

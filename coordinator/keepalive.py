@@ -1,13 +1,8 @@
 """Heartbeat plans while rank 0 is busy outside the step loop (a deployment's handler).
 
-The other ranks wait for rank 0's next plan at most the peer timeout (30 s) before they end
-the group. While rank 0 runs a custom-output selector or `forward`, it is outside every
-collective and sends no plan; a handler slower than the peer timeout used to end the server,
-and so could a burst of requests whose selectors each took just under a second (admission
-drains the whole burst before the loop's own heartbeat). `PlanKeepalive.busy()` wraps such a
-call: a helper thread sends a heartbeat plan whenever `period` seconds have passed since the
-channel's last plan of any kind. The main thread sends nothing while it is busy, and leaving
-`busy()` waits for a heartbeat in progress, so the channel is never used by two threads.
+Inside `PlanKeepalive.busy()` a helper thread sends a heartbeat plan whenever `period` seconds
+have passed since the channel's last plan, so the other ranks never reach the peer timeout;
+leaving `busy()` waits for a heartbeat in progress (docs/custom_output.md).
 """
 
 from __future__ import annotations

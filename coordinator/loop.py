@@ -1,11 +1,8 @@
 """Rank 0's serving loop: ZeroMQ requests in, engine steps, outputs out, plans to every rank.
 
-Never blocks on the API: incoming messages are drained without waiting while there is work,
-and with a 50 ms poll when idle. While idle a heartbeat plan goes out every second so the
-other ranks' collectives never time out. SIGTERM/SIGINT start a drain: new requests get 503,
-in-flight ones have `shutdown_timeout` seconds, the rest are aborted with an error answer. A
-signal sent to the API process itself arrives as a wire.DrainRequest and counts the same; the
-API process stops when the final wire.Shutdown tells it the engine has stopped.
+Never blocks on the API; while idle a heartbeat plan goes out every second. SIGTERM/SIGINT
+(or a wire.DrainRequest from the API process) start a drain: new requests get 503, in-flight
+ones have `shutdown_timeout` seconds, the rest are aborted (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -93,18 +90,14 @@ class CoordinatorLoop:
             self._stop_now = True
 
     def _repeat_gap(self, from_api: bool) -> float:
-        """How long after the first signal a second one ends the drain at once (a second
-        Ctrl-C, as uvicorn and vLLM). One signal may arrive twice: from the terminal and
-        forwarded by a launcher, or sent to every process of a systemd unit, the API process
-        (whose signal comes as a DrainRequest) among them; only a later one counts there."""
+        """How long after the first signal a second one ends the drain at once (one signal may
+        arrive twice, through a launcher or to every process of a systemd unit)."""
         twice = self.settings.launcher_pid is not None or from_api or self._first_signal_from_api
         return REPEAT_SIGNAL_SECONDS if twice else 0.0
 
     def run(self) -> int:
-        """Serve until a signal's drain completes (returns 0) or the API process dies (1);
-        an exception (a failed collective, say) stops every rank and propagates. After one,
-        the stop plan waits at most FAILED_STOP_SECONDS: a hung peer, whose collective has
-        just timed out, would hold it another whole peer timeout."""
+        """Serve until a signal's drain completes (returns 0) or the API process dies (1); an
+        exception stops every rank and propagates."""
         try:
             code = self._serve()
         except BaseException:
@@ -135,9 +128,7 @@ class CoordinatorLoop:
             self._tick()
 
     def _api_exited(self, code: int) -> int:
-        """0 if the stop was asked for: the API process ended by a SIGTERM or SIGINT that it
-        could not hand on (before uvicorn takes them, or after), or it stopped by itself (0)
-        during a drain (the engine silent on a repeated signal: api/lifecycle.py); else 1."""
+        """0 if the API process's exit was a stop asked for (a signal or a drain), else 1."""
         if code in (-signal.SIGTERM, -signal.SIGINT):
             log.info("the API process was stopped by signal %d; stopping", -code)
             return 0
@@ -164,8 +155,7 @@ class CoordinatorLoop:
             return
         if isinstance(msg, wire.DrainRequest):  # the API process got the signal itself
             log.info("the API process got signal %s", msg.signal)
-            # it may come with rank 0's own signal (systemd signals every process of a
-            # unit): only a later one counts as a second signal, even without a launcher
+            # it may come with rank 0's own signal: only a later one counts as a second
             now = time.monotonic()  # (the message may be read a long step after the signal)
             self._on_signal(
                 msg.signal, None, from_api=True, signal_time=min(msg.signal_time or now, now)
@@ -191,6 +181,8 @@ class CoordinatorLoop:
                 msg.request_id, msg.prompt_token_ids, params, msg.custom_output_params
             )
         except RequestError as e:
+            if e.selector_error is not None:  # logged and counted for the operator
+                self.engine.custom_stats.selector_failed(msg.request_id, e)
             return self._rejection(msg.request_id, e.code, e.message, e.param)
         except (ValueError, TypeError) as e:
             return self._rejection(msg.request_id, wire.INVALID_PARAMS, str(e))
@@ -248,6 +240,8 @@ class CoordinatorLoop:
             prefix_cache_hits=e.blocks.stats.hit_tokens,
             custom_output_calls=e.custom_stats.calls,
             custom_output_errors=e.custom_stats.errors,
+            custom_output_selector_invalid=e.custom_stats.selector_invalid,
+            custom_output_selector_errors=e.custom_stats.selector_errors,
             engine_steps=e.num_steps,
             engine_steps_ahead=e.num_ahead_steps,
         )
@@ -303,9 +297,8 @@ class CoordinatorLoop:
         self.zmq.term()
 
     def _flush_to_api(self, last: bytes, timeout_ms: int = 2000) -> bool:
-        """Hand every pending message (the drain's final answers included) to the API process
-        before it is asked to stop, waiting at most timeout_ms if it is alive. False: the API
-        process took none of them in that time (it has not connected)."""
+        """Hand every pending message to the API process, waiting at most timeout_ms if it is
+        alive; False when it took none of them."""
         self._unsent.append(last)
         alive = self.api_process is None or self.api_process.poll() is None
         self.outgoing.setsockopt(zmq.SNDTIMEO, timeout_ms if alive else 0)

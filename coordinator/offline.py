@@ -12,9 +12,10 @@ from tapserve.api.detokenizer import IncrementalDetokenizer, StopChecker
 from tapserve.api.sampling_params import SamplingParams, is_integer
 from tapserve.api.tokenizer import TextTokenizer
 from tapserve.api.wire import RequestOutput
-from tapserve.coordinator.config import EngineConfig, build_engine, build_runner
+from tapserve.coordinator.config import EngineConfig
 from tapserve.coordinator.custom_outputs import RequestError, decode_value
 from tapserve.coordinator.generation_defaults import model_sampling_defaults
+from tapserve.coordinator.startup import build_engine, build_runner
 
 
 @dataclass

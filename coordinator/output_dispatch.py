@@ -1,14 +1,6 @@
-"""Output dispatch on rank 0 (`--output-workers N`).
-
-Per-request output work (today: turning a request's custom-output row into its wire value
-{dtype, shape, data}) runs either inline (N = 0, serial) or on N worker threads. Tasks are
-sharded by request id: every task of one request goes to the same single-thread shard, so one
-request's outputs are produced in the order they were queued, whatever N is.
-
-A task's array arguments are captured by value (copied) when the task is queued, so the
-step's host buffer may be reused or freed as soon as `submit_rows` returns. The engine waits
-for a step's futures, in queue order, before it builds that step's outputs: results are
-identical for any N; with N > 0 the encoding overlaps the step's sampling.
+"""Output dispatch on rank 0 (`--output-workers N`): per-request output work runs inline
+(N = 0) or on N single-thread shards keyed by request id, so one request's tasks run in queue
+order whatever N is (docs/custom_output.md).
 """
 
 from __future__ import annotations
@@ -42,9 +34,8 @@ class OutputDispatcher:
         return zlib.crc32(key.encode("utf-8")) % self.workers if self.workers else 0
 
     def submit(self, key: str, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run fn(*args) for request `key`: inline when serial, else on the key's shard.
-        Array arguments are copied now (captured by value). The Future holds the result or
-        the exception."""
+        """Run fn(*args) for request `key`, inline or on its shard, with array arguments
+        copied now; the Future holds the result or the exception."""
         args = tuple(np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in args)
         if not self._shards:
             future: Future = Future()

@@ -9,8 +9,7 @@ from tapserve.coordinator.sequence import Request, SeqStatus, Sequence
 
 
 def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
-    """Built for every request a step touched, once per running request per step: keep it
-    lean (positional dataclass construction, no per-sequence work beyond the news)."""
+    """request's output after a step (built per running request per step: keep it lean)."""
     seqs = request.sequences
     finished = seqs[0].status is SeqStatus.FINISHED if len(seqs) == 1 else request.is_finished
     params = request.params
@@ -24,9 +23,8 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
         outs = beams.final_outputs(request) if finished else []
     else:
         outs = [sequence_output(s, params.logprobs) for s in seqs]
-    # positional: RequestOutput's field order (request_id, accepted, sequences, finished,
-    # custom_output, error_code, error_message, num_prompt_tokens, num_cached_tokens)
-    return RequestOutput(
+    # positional, in RequestOutput's field order
+    output = RequestOutput(
         request.request_id,
         True,
         outs,
@@ -37,6 +35,9 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
         len(request.prompt_token_ids),
         request.num_cached_tokens,
     )
+    if request.custom_output_skipped:  # its selected prompt token came from the prefix cache
+        output.custom_output_omitted = "prefix_reuse"
+    return output
 
 
 def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
@@ -44,8 +45,7 @@ def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
     start = seq.num_emitted_tokens
     token_ids = seq.token_ids
     seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
-    # positional: SequenceOutput's field order (index, new_token_ids, new_logprobs,
-    # new_top_logprobs, finish_reason, cumulative_logprob, custom_output)
+    # positional, in SequenceOutput's field order
     return SequenceOutput(
         seq.index,
         token_ids[seq.num_prompt_tokens + start :],
@@ -58,9 +58,8 @@ def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
 
 
 def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]:
-    """The step's usual decode news, one new token of a running token_columns request past its
-    first, goes into outputs' columns (marked sent); returns the other requests the step
-    touched, once each, in order: they need a full RequestOutput."""
+    """Put the step's plain decode news into outputs' columns (marked sent); returns the other
+    requests the step touched, once each, in order: they need a full RequestOutput."""
     request_ids, new_tokens = outputs.token_request_ids, outputs.new_token_ids
     full: dict[Request, None] = {}  # insertion-ordered set
     running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
@@ -81,10 +80,8 @@ def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]
 
 
 class SteadyColumns:
-    """put_news_in_columns with a memory: when every row of a batch went into the columns,
-    a steady step of the same rows (ScheduledBatch.follows) whose rows each gained exactly
-    their sampled token (no stop, no finish) puts its news there without looking at each
-    request: the same request ids, the sampled tokens in row order."""
+    """put_news_in_columns with a memory: a steady step following a batch whose news all went
+    into the columns puts its news there without looking at each request."""
 
     def __init__(self) -> None:
         self._serial = -1  # the last batch whose news all went into the columns

@@ -32,8 +32,7 @@ def needs_custom_row(seq: Sequence, start: int, n: int) -> bool:
 
 
 def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
-    """A finishing LAST_GENERATED sequence whose last token is computed in this step: its row
-    goes to the handler instead of the sampler."""
+    """A finishing LAST_GENERATED sequence computes its last token now: a handler row."""
     return seq.scoring_reason is not None and start + n == seq.num_tokens
 
 
@@ -51,10 +50,8 @@ class _Advanceable:
 
 
 class Planner:
-    """Builds each step's plan; keeps the block-table buffer between steps, and the last
-    decode plan of plain rows in its wire message (PlanMessage), which a steady step (the
-    scheduler's ScheduledBatch.follows) advances in place: no Sequence read but the rows
-    whose tables grew, no array made, nothing to encode."""
+    """Builds each step's plan; keeps the block-table buffer, and the last plain decode plan in
+    its wire message, which a steady step (ScheduledBatch.follows) advances in place."""
 
     def __init__(
         self,
@@ -63,10 +60,8 @@ class Planner:
         width_step: int = TABLE_WIDTH_STEP,
         table_dtype: np.dtype = np.dtype(np.int32),
     ):
-        """max_table_width: the most blocks a table may hold (max_model_len / block_size);
-        plans that steady steps advance pad their tables to whole multiples of width_step
-        columns, never wider than that (a runner's static block-table buffer). table_dtype:
-        the plans' block-table dtype, block_table_dtype(the pool's size)."""
+        """max_table_width: the most blocks a table may hold; advanced plans pad their tables
+        to multiples of width_step columns up to it. table_dtype: the plans' block-table dtype."""
         self.block_size = block_size
         self.max_table_width, self.width_step = max_table_width, width_step
         self.tables = BlockTableBuffer(table_dtype)
@@ -91,7 +86,6 @@ class Planner:
             )
         seqs = batch.seqs
         context_lens = np.asarray(batch.context_lens, np.int32)
-        # a decoding sequence computes one token, its newest
         counts = batch.num_new_tokens
         tables = self.tables.gather(seqs, batch.table_stamps)
         if not batch.partial and counts.count(1) == len(counts):
@@ -111,14 +105,10 @@ class Planner:
         return _mixed_plan(batch, kind, self.block_size, tables, context_lens)
 
     def _advance(self, plan: StepPlan, batch: ScheduledBatch) -> StepPlan:
-        """plan's rows one token further, written over plan's arrays (batch follows the
-        batch of plan: the same sequences, each with one token more, and only the tables of
-        batch.grown_rows changed, by a block each, where the row's new token goes; the
-        block-table buffer is brought up to date when the advancing stops)."""
+        """plan's rows one token further, written over plan's arrays; batch follows plan's
+        batch (the same rows, only those of batch.grown_rows with a new block)."""
         grown, blocks = batch.grown_rows, batch.grown_blocks
-        # Writing over the arrays of a plan whose step may still be queued on the GPU (a
-        # step run ahead, coordinator/run_ahead.py) is safe: the runner's copies come from
-        # pageable memory, which CUDA stages before cudaMemcpyAsync returns.
+        # safe while its step is queued: CUDA stages pageable copies before they return
         if batch.last_token_ids is not None:  # else the runner takes them on the device
             plan.input_ids[:] = batch.last_token_ids
         plan.positions += 1
@@ -136,16 +126,12 @@ class Planner:
         return plan
 
     def _table_width(self, width: int) -> int:
-        """width rounded up to a whole width_step, at most max_table_width: zero columns
-        on the wire (1 KB a column at batch 256) cost less than widening the message every
-        block_size steps as the longest table grows."""
+        """width rounded up to a whole width_step, at most max_table_width."""
         padded = -(-width // self.width_step) * self.width_step
         return max(width, min(padded, self.max_table_width or padded))
 
     def _range(self, n: int) -> np.ndarray:
-        """arange(n + 1) as int64, made once per batch size: a decode plan's logit rows are
-        a view of it (read by the runner and the codec, never written), its query starts
-        an int32 copy."""
+        """arange(n + 1) as int64, made once per batch size and never written."""
         if n not in self._ranges:
             self._ranges[n] = np.arange(n + 1, dtype=np.int64)
         return self._ranges[n]
@@ -209,11 +195,9 @@ _NO_TABLE = -2  # a buffer row's stamp when it holds no whole table (never a tab
 
 
 class BlockTableBuffer:
-    """The batch's block tables as one persistent [rows, width] array, width being the
-    longest table of the batch, so that its first rows are the plan's array as they stand (a
-    view, no copy). A row is rewritten only when it holds a table of another stamp
-    (Sequence.block_table_version: unique across sequences, renewed on every change), so a
-    steady decode batch costs a vectorized comparison, not a list-to-array copy per row."""
+    """The batch's block tables as one persistent [rows, longest table] array whose first rows
+    are the plan's array (a view); a row is rewritten only when its table's stamp
+    (Sequence.block_table_version) changed."""
 
     def __init__(self, dtype: np.dtype = np.dtype(np.int32)) -> None:
         self._array = np.zeros((0, 0), dtype)
@@ -221,9 +205,8 @@ class BlockTableBuffer:
         self._version = self._length = np.zeros(0, np.int64)
 
     def gather(self, seqs: list[Sequence], stamps: list[int]) -> np.ndarray:
-        """The tables of seqs, [len(seqs), longest table], zero-padded: a view of the buffer,
-        valid until the next gather (a plan is used up within its step). stamps: each
-        sequence's block_table_version (as the scheduler read it)."""
+        """The tables of seqs, zero-padded, as a view valid until the next gather. stamps:
+        each sequence's block_table_version as the scheduler read it."""
         n = len(seqs)
         version = np.array(stamps, np.int64)
         self._reserve_rows(n)
@@ -237,9 +220,8 @@ class BlockTableBuffer:
         return self._array[:n]
 
     def adopt(self, tables: np.ndarray, stamps: list[int], lengths: np.ndarray) -> None:
-        """Take tables [n, >= the longest length] (zero-padded) as the first n rows, holding
-        the tables of the given stamps and lengths, as if gathered (tables kept up to date
-        elsewhere)."""
+        """Take tables (zero-padded) as the first n rows of the given stamps and lengths, as
+        if gathered."""
         n, width = tables.shape[0], int(lengths.max(initial=0))
         tables = tables[:, :width]
         self._reserve_rows(n)
@@ -250,8 +232,7 @@ class BlockTableBuffer:
         self._length[:n] = lengths
 
     def _update(self, seqs: list[Sequence], stale: np.ndarray) -> None:
-        """Rewrite the stale rows; a row whose table only grew gets its new entries alone,
-        all such rows in one scatter (decoding appends one block per row every so often)."""
+        """Rewrite the stale rows; tables that only grew get their new entries in one scatter."""
         indices = stale.tolist()
         held = zip(self._version[stale].tolist(), self._length[stale].tolist())
         rows, cols, values, lengths = [], [], [], []
@@ -302,8 +283,7 @@ def _decode_plan(
     context_lens: np.ndarray,
     arange: np.ndarray,
 ) -> tuple[StepPlan, PlanRows]:
-    """The common case, vectorized: every sequence computes its one newest token.
-    arange: arange(len(seqs) + 1), int64."""
+    """Every sequence computes its newest token. arange: arange(len(seqs) + 1), int64."""
     seqs = batch.seqs
     n = len(seqs)
     positions = context_lens - 1  # int32 here; int64 on the wire (the StepPlan dtypes)
@@ -332,11 +312,9 @@ def _decode_plan(
 def _decode_rows(
     seqs: list[Sequence], has_special_rows: bool, every_row: np.ndarray
 ) -> tuple[PlanRows, np.ndarray, np.ndarray]:
-    """Every row samples, except: a LAST_GENERATED sequence scoring its last token (its row
-    goes to the handler), and a prompt whose last token alone is computed in this step (the
-    rest came from the prefix cache): it may be the selected token (a custom row too), and a
-    scoring-only request (max_new_tokens = 0) samples nothing. every_row: arange(len(seqs)),
-    int64, the logit rows when no row is special."""
+    """Every row samples, except a sequence scoring its last token (a handler row) and a
+    scoring-only request (max_new_tokens = 0); a prompt's last token may also be a custom row.
+    every_row: arange(len(seqs)), int64."""
     if not has_special_rows:
         return PlanRows(list(seqs), []), every_row, np.zeros(0, np.int64)
     rows, logit_rows, custom_rows = PlanRows(), [], []

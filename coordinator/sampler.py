@@ -1,9 +1,7 @@
 """Token sampling on rank 0: logit processors, then greedy or random choice, plus logprobs.
 
-Vectorized over the batch with one host sync (the chosen ids). Random choice uses the
-exponential race (argmax p_i / E_i with E_i ~ Exp(1)); a seeded row draws its noise from its
-own generator keyed by (seed, sample index, output length), so it yields the same tokens
-whatever else shares the batch. Logprobs are those of the raw model distribution.
+Random choice is the exponential race (argmax p_i / E_i, E_i ~ Exp(1)); a seeded row draws
+the same tokens whatever else shares the batch. Logprobs are of the raw model distribution.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from tapserve.model.layers import HAS_TRITON
 
 
 def to_device(values, device: torch.device) -> torch.Tensor:
-    """A small per-row list (or numpy array) as a tensor on device; on CUDA through pinned
-    memory, so the copy does not wait for the work queued on the GPU (steps run ahead of
-    their sampling, coordinator/run_ahead.py)."""
+    """A small per-row list as a tensor on device; on CUDA through pinned memory, so the copy
+    does not wait for the work queued on the GPU."""
     tensor = torch.tensor(values)
     if device.type != "cuda":
         return tensor
@@ -39,10 +36,8 @@ def _splitmix64(x: int) -> int:
 
 
 def draw_seed(seed: int, sample: int, position: int) -> int:
-    """The generator seed of one sample's draw at one output position of a seeded request.
-    Seeds equal modulo 2**64 are one seed (as torch.Generator.manual_seed takes them); any
-    two others give unrelated streams. (Python's hash() folded integers modulo 2**61 - 1
-    and hashes -1 as -2, so such seeds drew identical tokens.)"""
+    """The generator seed of one sample's draw at one output position of a seeded request;
+    seeds equal modulo 2**64 are one seed, any two others give unrelated streams."""
     return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ sample) ^ position)
 
 
@@ -111,15 +106,12 @@ class Sampler:
 
     @torch.inference_mode()
     def greedy(self, logits: torch.Tensor) -> list[int]:
-        """The argmax of each row: what __call__ picks for rows that are greedy, draw one
-        sample and have no logit processors or logprobs (the generator is not used)."""
+        """The argmax of each row: __call__'s pick for plain greedy rows."""
         return self.greedy_tensor(logits).tolist()
 
     @torch.inference_mode()
     def greedy_tensor(self, logits: torch.Tensor) -> torch.Tensor:
-        """greedy's tokens as an int64 tensor on the logits' device, with no host sync. On
-        the CPU numpy's argmax is used: the same first-maximum (and first-NaN) rule, much
-        faster."""
+        """greedy's tokens as an int64 tensor on the logits' device, with no host sync."""
         logits = logits.detach().float()
         if logits.device.type == "cpu":
             return torch.from_numpy(logits.numpy().argmax(axis=1))
@@ -127,28 +119,23 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_plain(self, logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
-        """One token per row for rows with no logit processors, logprobs or seed (what
-        __call__ would draw for them, with the shared generator): temperature, top-k, top-p
-        and min-p only, so no SampleRow is needed."""
+        """One token per row with no logit processors, logprobs or seed, as __call__ draws it."""
         return self.plain_tensor(logits, params).tolist()
 
     @torch.inference_mode()
     def plain_tensor(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """sample_plain's tokens as an int64 tensor on the logits' device, with no host
-        sync (the per-row parameters travel through pinned memory)."""
+        """sample_plain's tokens as an int64 tensor on the logits' device, with no host sync."""
         return self._choose(logits.float(), params, {})
 
     @torch.inference_mode()
     def sample_temperature(self, logits: torch.Tensor, temperatures: list[float]) -> list[int]:
-        """sample_plain for rows that sample with a temperature alone (no top-k, top-p or
-        min-p; SamplingParams.temperature_only), given each row's temperature."""
+        """sample_plain for rows that sample with a temperature alone (BatchDraw.TEMPERATURE)."""
         return self.temperature_tensor(logits, temperatures).tolist()
 
     @torch.inference_mode()
     def temperature_tensor(self, logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-        """sample_temperature's tokens as an int64 tensor on the logits' device: on CUDA one
-        Triton pass over the logits (model/kernels/sample.py), with no host sync; elsewhere
-        the torch draw of _choose (softmax, exponential noise from the shared generator)."""
+        """sample_temperature's tokens as an int64 tensor on the logits' device, with no host
+        sync (on CUDA one Triton pass)."""
         if logits.is_cuda and HAS_TRITON:
             from tapserve.model.kernels.sample import gumbel_sample
 
@@ -158,11 +145,10 @@ class Sampler:
         return (probs / self._exponential_noise(probs)).argmax(dim=-1)
 
     def _exponential_noise(self, like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise shaped like `like`, from the shared generator. On the CPU as
-        -log(uniform): torch's CPU exponential_ draws ~4x slower than uniform_ + log."""
+        """Exp(1) noise shaped like `like`, from the shared generator."""
         noise = torch.empty_like(like)
         if noise.device.type == "cpu":
-            return noise.uniform_(generator=self.generator).log_().neg_()
+            return noise.uniform_(generator=self.generator).log_().neg_()  # ~4x exponential_
         return noise.exponential_(generator=self.generator)
 
     # ---- logit processors (only rows that ask for them pay) ----------------------------------

@@ -10,41 +10,31 @@ from tapserve.coordinator.sequence import Request, Sequence
 
 
 def is_special_row(seq: Sequence) -> bool:
-    """seq's row needs the planner's closer look: it computes a prompt token, or scores its
-    last token (LAST_GENERATED). The running loop inlines this test."""
+    """seq's row computes a prompt token or scores its last token (the running loop inlines it)."""
     return seq.num_computed_tokens < seq.num_prompt_tokens or seq.scoring_reason is not None
 
 
 @dataclass
 class ScheduledBatch:
-    """Sequences of one step and how many new tokens each computes, in packed order.
-
-    The per-row lists are read from each sequence in the scheduler's own pass over it, so
-    that a steady decode step's plan is built from them: the planner reads a sequence only
-    when its block table changed, and every row only when has_special_rows says some row
-    needs a closer look (mixed and prefill steps read every sequence)."""
+    """Sequences of one step and how many new tokens each computes, in packed order, with the
+    per-row lists the planner builds a decode plan from without reading each sequence."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     context_lens: list[int] = field(default_factory=list)  # tokens in the KV after this step
-    # each sequence's newest token; None when they are still being sampled on the device (a
-    # step scheduled ahead, Scheduler.schedule_ahead: the runner takes them from there)
+    # each sequence's newest token; None while still on the device (Scheduler.schedule_ahead)
     last_token_ids: list[int] | None = field(default_factory=list)
     table_stamps: list[int] = field(default_factory=list)  # block_table_version after appends
-    # some row computes a prompt token or scores its last token (LAST_GENERATED)
     has_special_rows: bool = False
     all_single: bool = True  # every row's request is Request.single (never forks)
     block_capacities: np.ndarray | None = None  # per row, tokens its blocks hold (steady steps)
-    # some row computes fewer tokens than it has uncomputed (the token budget ran out, or
-    # beams hold back their last token): the step is not decode-shaped even if each computes 1
+    # some row computes fewer tokens than it has uncomputed: not decode-shaped
     partial: bool = False
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
     serial: int = 0  # this batch's number in the scheduler's count
-    # a steady step: the serial of the batch whose rows this one advances by a token each
-    # (the same sequences in the same order, each table exactly the blocks its tokens fill;
-    # else -1); the rows whose tables grew since, by one block each, the blocks' indices in
-    # their tables and the blocks (int64 arrays: the planner scatters them)
+    # a steady step: the serial of the batch it advances by a token a row (else -1), and the
+    # rows that gained a block, the blocks' columns and the blocks (int64)
     follows: int = -1
     grown_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     grown_cols: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -55,9 +45,8 @@ class ScheduledBatch:
 
     @property
     def all_plain_rows(self) -> bool:
-        """Every row a Request.single row, none special or partial, with no copies or
-        preemptions: a batch whose next decode step may come from arrays (note_advanced)
-        and that may run ahead of its sampling (coordinator/run_ahead.py)."""
+        """Every row single, none special or partial, no copies or preemptions: the next step
+        may come from arrays and run ahead of this one's sampling."""
         return (
             self.all_single
             and not self.has_special_rows
@@ -79,8 +68,7 @@ class ScheduledBatch:
         self.all_single &= seq.request.single
 
     def drop(self, seq: Sequence) -> None:
-        """Unschedule seq (preempted after it was scheduled); the flags are recomputed from
-        the rows left (preemption is rare)."""
+        """Unschedule seq (preempted after it was scheduled) and recompute the flags."""
         i = self.seqs.index(seq)
         for rows in (
             self.seqs,

@@ -1,17 +1,9 @@
 """FCFS continuous batching with a per-step token budget, chunked prefill and preemption.
 
-Each step the scheduler first serves running sequences (one token for a decoding sequence,
-the next chunk for a prefilling one), then admits waiting requests in arrival order while
-sequences, tokens and KV blocks allow. When a running sequence needs a block and none is
-free, the most recently arrived running sequence is preempted (a beam-search request's beams
-all together): its blocks are freed and it is recomputed later (its prefix may come back
-from the prefix cache). The samples of an n > 1 request are independent sequences; the beams
-of a request are scheduled together, so they always sample in the same step.
-
-A steady decode step (the same running sequences as the last step, each of which has since
-gained exactly its sampled token, as the engine reports with `note_advanced`, and no waiting
-request that could be admitted) is scheduled from arrays kept across steps, without reading
-each sequence again; anything else takes the general pass.
+Running sequences are served first, then waiting requests are admitted in arrival order while
+sequences, tokens and KV blocks allow. When a block runs short, the most recently arrived
+running sequence (a beam request's beams together) is preempted and recomputed later. A steady
+decode step is scheduled from arrays kept across steps (docs/async_scheduling.md).
 """
 
 from __future__ import annotations
@@ -71,12 +63,9 @@ class Scheduler:
         return batch
 
     def note_advanced(self, batch: ScheduledBatch, tokens: list[int] | None) -> None:
-        """The engine's word, after the step of batch, that it was a decode step of every
-        running sequence, none special, all Request.single, with no copies or preemptions,
-        and that each sequence has since gained exactly its sampled token (tokens, in row
-        order) and nothing else changed: the next step may be scheduled from arrays.
-        tokens None: they are still being sampled on the device; only schedule_ahead may
-        schedule from the batch then (a sequence that finishes meanwhile leaves `running`)."""
+        """The engine's word that batch was a plain decode step of every running sequence and
+        each has since gained exactly its sampled token (tokens, in row order): the next step
+        may come from arrays. tokens None: still on the device; only schedule_ahead may use it."""
         if batch.all_plain_rows:
             self._steady = _SteadyRows(
                 batch.seqs,
@@ -88,15 +77,10 @@ class Scheduler:
             )
 
     def schedule_ahead(self) -> tuple[ScheduledBatch, np.ndarray | None] | None:
-        """The next decode step of the batch noted with note_advanced(batch, None), while
-        that batch's tokens are still being sampled: its rows that still run (a sequence that
-        finished or was aborted since has left `running`), each one token further, from the
-        arrays. Returns the batch and, when rows were dropped, the indices of the rows it
-        keeps in the noted batch (int64). None when the step needs the general pass, which
-        reads every sequence's tokens (a request waits to be admitted, `running` changed
-        otherwise, or the token budget or the free blocks run short): no block is taken and
-        no sequence touched, the noted batch is forgotten, and the caller must finish the
-        step in flight before it calls schedule()."""
+        """The next decode step, from arrays, of the rows still running in the batch noted with
+        note_advanced(batch, None); returns it and, when rows were dropped, the kept rows'
+        indices (int64). None when the general pass is needed: nothing was touched, the noted
+        batch is forgotten, and the step in flight must finish before schedule()."""
         steady, self._steady = self._steady, None
         if steady is None or steady.tokens is not None or self._may_admit():
             return None
@@ -127,13 +111,8 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------
     def _may_admit(self) -> bool:
-        """The general pass would admit the first waiting request now: the running rows
-        leave token budget, max_num_seqs has room for the sequences it starts next, and
-        their blocks fit. The general pass tests the same after the running rows have grown,
-        with no more free blocks than now, so a False here never leaves a request waiting
-        that the general pass would admit. (Blocks of rows finishing in a step still in
-        flight are not free yet: running ahead, a request they make room for is admitted
-        one step later than a synchronous engine would admit it.)"""
+        """Whether the general pass would admit the first waiting request now; a False never
+        leaves waiting a request that the general pass would admit."""
         if not self.waiting or len(self.running) >= self.config.max_num_batched_tokens:
             return False
         request = self.waiting[0]
@@ -143,8 +122,7 @@ class Scheduler:
         handled: set[Sequence] = set()  # beams scheduled together with an earlier one
         blocks, block_size = self.blocks, self.blocks.block_size
         running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
-        # bound methods as locals: five appends per sequence per step (ScheduledBatch.add
-        # inlined; partial comes from the budget test)
+        # bound methods as locals: ScheduledBatch.add inlined, five appends per row per step
         add_seq, add_count, add_len, add_last, add_stamp = (
             batch.seqs.append,
             batch.num_new_tokens.append,
@@ -160,9 +138,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             token_ids = seq.token_ids
             num_tokens = len(token_ids)
-            if seq.request.single:  # the usual case, blocks_to_append inlined: no fork shares
-                # its partly filled block, so it needs a block only when its tokens outgrow
-                # them (BlockManager._needs_new_block, without a call per sequence)
+            if seq.request.single:  # blocks_to_append inlined: no fork shares its last block
                 if num_tokens > len(seq.block_table) * block_size and not self._reserve_block(
                     seq, batch
                 ):
@@ -203,9 +179,7 @@ class Scheduler:
         return budget
 
     def _schedule_steady(self, steady: _SteadyRows) -> ScheduledBatch | None:
-        """The next decode step of steady.seqs (each one token further), or None when it
-        would need the general pass (the token budget, or blocks running short, which may
-        preempt)."""
+        """The next decode step of steady.seqs, or None when it needs the general pass."""
         seqs, n, size = steady.seqs, len(steady.seqs), self.blocks.block_size
         if n > self.config.max_num_batched_tokens:
             return None
@@ -215,8 +189,7 @@ class Scheduler:
             capacities = np.array([len(s.block_table) for s in seqs], np.int64) * size
             if not (capacities - context_lens < size - 1).all():
                 return None  # a table holds a block beyond its tokens' (never seen so far)
-        # from here on each table holds exactly the blocks of the tokens in the KV, so a row
-        # writes into a new block exactly when it grows (the planner relies on it)
+        # each table holds exactly its KV tokens' blocks: a row needs a block when it grows
         grow = np.flatnonzero(context_lens > capacities)
         if grow.size > self.blocks.num_free_blocks:
             return None
@@ -230,7 +203,6 @@ class Scheduler:
             capacities = capacities.copy()
             capacities[grow] += size
         self.num_steady_steps += 1
-        # a grown row's new block holds its newest token, at (context_len - 1) // size
         return ScheduledBatch(
             list(seqs),
             [1] * n,
@@ -246,9 +218,8 @@ class Scheduler:
         )
 
     def _group(self, seq: Sequence) -> list[Sequence]:
-        """The running sequences that advance (and are preempted) together with seq: all
-        beams of a beam-search request; a sample of n > 1 goes alone, and so does a sequence
-        scoring its last token (LAST_GENERATED; for beams, a fork scoring a finished beam)."""
+        """The running sequences that advance and are preempted together with seq: all beams
+        of a beam request; anything else, a scoring fork included, goes alone."""
         if seq.request.params.num_beams == 1 or seq.scoring_reason is not None:
             return [seq]
         return [s for s in self.running if s.request is seq.request and s.scoring_reason is None]
@@ -262,9 +233,8 @@ class Scheduler:
     def _schedule_forks(
         self, forks: list[Sequence], batch: ScheduledBatch, budget: int
     ) -> tuple[int, bool]:
-        """Schedule a beam request's scoring forks (one token each) before its beams; whether
-        all of them were. The beams advance only then: a step that left its forks out while
-        its beams finished more hypotheses would fork again, past Request.max_rows."""
+        """Schedule a beam request's scoring forks before its beams; whether all of them were
+        (the beams advance only then, or they would fork past Request.max_rows)."""
         for fork in forks:
             if budget == 0 or not self._reserve_block(fork, batch):
                 return budget, False
@@ -330,9 +300,8 @@ class Scheduler:
         return seqs
 
     def _take_tokens(self, seqs: list[Sequence], batch: ScheduledBatch, budget: int) -> int:
-        """Schedule the next tokens of seqs within the budget. Several seqs are the beams of
-        one request, which sample together: either all of them reach their last token in
-        this step, or none does (a recompute after preemption then advances in chunks)."""
+        """Schedule the next tokens of seqs within the budget; several seqs (beams) either all
+        reach their last token in this step or none does."""
         needs = [s.num_tokens - s.num_computed_tokens for s in seqs]
         if len(seqs) > 1 and sum(needs) > budget:
             needs = [n - 1 for n in needs]
@@ -344,10 +313,8 @@ class Scheduler:
         return budget
 
     def _fits(self, seqs: list[Sequence], request: Request) -> bool:
-        """Admission's test: max_num_seqs has room for seqs and their blocks fit. A request
-        that will fork (a prompt of n samples or of beams) and a beam request take room for
-        its widest step (Request.max_rows), so that its forks never take a batch past
-        max_num_seqs (the decode workspace and graphs are sized for it)."""
+        """Admission's test: their blocks fit and max_num_seqs has room for seqs, or for a
+        request that will fork or run beams, for its widest step (Request.max_rows)."""
         need = len(seqs) if request.forked and request.params.num_beams == 1 else request.max_rows
         return self._rows_held() + need <= self.config.max_num_seqs and self._can_allocate(
             seqs, request
@@ -385,9 +352,8 @@ class Scheduler:
 
 @dataclass
 class _SteadyRows:
-    """A decode batch carried to the next step (Scheduler.note_advanced): its rows'
-    sequences, context lengths and table stamps as scheduled, the tokens sampled since,
-    and the rows' block capacities in tokens (filled on first use)."""
+    """A decode batch carried to the next step (Scheduler.note_advanced); capacities are the
+    rows' block capacities in tokens, filled on first use."""
 
     seqs: list[Sequence]
     context_lens: np.ndarray  # int64

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from itertools import count
 
-from tapserve.api.sampling_params import SamplingParams
+from tapserve.api.sampling_params import BatchDraw, SamplingParams
 from tapserve.model.custom_output import CustomOutputHandler
 
 LAST_GENERATED = CustomOutputHandler.LAST_GENERATED  # each sequence's last generated token
@@ -31,8 +31,7 @@ class Sequence:
     index: int = 0  # which of the request's n samples / beams
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    # restamped by the block manager on every change of block_table, from a counter shared by all
-    # sequences (0: never given blocks)
+    # restamped by the block manager on every change of block_table (0: never given blocks)
     block_table_version: int = 0
     block_table_base: int = -1  # the stamp this table extends by appended blocks (-1: none)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -85,28 +84,23 @@ class Request:
     # fixed at admission (Engine.add_request), for the per-token checks of the decode loop:
     stop_token_set: frozenset[int] = frozenset()  # tokens that end it (once min_tokens is met)
     max_total_tokens: int = 0  # prompt + max_new_tokens, capped at the model's context
-    # how the decode loop samples it: "greedy", "temperature" (alone) or "plain" (no logit
-    # processors, logprobs or seed: one draw for the whole batch, Sampler.greedy /
-    # sample_temperature / sample_plain), "" (a SampleRow each);
-    # an n > 1 request is "" until its prompt forked into its samples
-    batch_draw: str = ""
+    # its SamplingParams.batch_draw; batch_draw: the one in effect (GENERAL until it forked)
+    fast_draw: BatchDraw = BatchDraw.GENERAL
+    batch_draw: BatchDraw = BatchDraw.GENERAL
     single: bool = False  # one sequence for good: n = 1, no beams, no engine stop strings
     watch_stop_strings: bool = (
         False  # rank 0 detects its stop strings (coordinator/stop_strings.py)
     )
     token_columns: bool = False  # its plain decode news may travel in wire.Outputs' columns
-    # its decode steps may run ahead of their sampling (coordinator/run_ahead.py): token
-    # columns, a batch draw (greedy, temperature or plain), no LAST_GENERATED scoring
+    # its decode steps may run ahead of their sampling (coordinator/run_ahead.py)
     runs_ahead: bool = False
     error_code: int | None = None
     error_message: str | None = None
 
     @property
     def max_rows(self) -> int:
-        """The most sequences it runs in one step: its n samples, or its beams (twice as
-        many when it scores its last generated tokens: each hypothesis finished in a step
-        is scored by a fork of its beam in the next). Scoring only (max_new_tokens 0): the
-        one prompt sequence, whatever n or num_beams."""
+        """The most sequences it runs in one step: n samples, or its beams (twice as many when
+        forks score finished hypotheses); 1 for scoring only."""
         if self.params.max_new_tokens == 0:
             return 1
         if self.params.num_beams > 1:

@@ -1,12 +1,8 @@
 """Stop strings on rank 0, for sequences whose last generated token is scored.
 
-Stop strings are otherwise the API process's business: it cuts the text and aborts the rest.
-But LAST_GENERATED (-2) must score the last token *kept* after the cut, and only rank 0 can
-run that step, so for those requests rank 0 detects the stop strings itself, with the same
-incremental detokenizer, tokenizer and rules as the API (api/detokenizer.py), so both cut at
-the same token. The sequence is then truncated to its kept tokens and finishes with "stop",
-its last kept token scored in the next step; the API waits for that final output
-(`RequestOutput.engine_stop_strings`).
+LAST_GENERATED must score the last token kept after the cut, so rank 0 detects those stop
+strings with the API's own detokenizer and rules, truncates the sequence and scores its last
+kept token in the next step (docs/custom_output.md).
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ def kept_output_tokens(
     seq: Sequence, decoder: Decoder, final: bool = False, left_out: int = 0
 ) -> int | None:
     """Feed seq's new output tokens to its detokenizer; once a stop string matched, the number
-    of output tokens to keep, else None. final: the sequence ends here (length, EOS), so the
-    characters held for completion are flushed and checked too, as the API does. left_out: the
-    last tokens whose text the API leaves out (a stop id or EOS ending the sequence), not fed."""
+    of output tokens to keep, else None. final: the sequence ends here (held characters are
+    flushed). left_out: the last tokens whose text the API leaves out, not fed."""
     detok = seq.stop_detokenizer
     if detok is None:  # first call, or a fresh fork: start from all of its output so far
         p = seq.request.params
@@ -51,9 +46,7 @@ def kept_output_tokens(
 
 
 def _fewest_tokens_for(seq: Sequence, decoder: Decoder, kept_text: str, upper: int) -> int:
-    """The fewest output tokens whose text starts with kept_text. The detokenizer's count is
-    an upper bound: characters held for an incomplete UTF-8 sequence are credited to the token
-    that completed (or broke) it, which may lie past the cut; decoding settles it."""
+    """The fewest output tokens, at most upper, whose text starts with kept_text."""
     p, skip = seq.num_prompt_tokens, seq.request.params.skip_special_tokens
     context = prompt_context(decoder, seq.token_ids[:p])  # as the detokenizer's window
     skipped = len(decoder.decode(context, skip))
@@ -66,9 +59,8 @@ def _fewest_tokens_for(seq: Sequence, decoder: Decoder, kept_text: str, upper: i
 
 
 def truncate_output(seq: Sequence, kept: int) -> None:
-    """Drop output tokens after the first `kept` (> 0), and their logprobs. The last kept token
-    is computed again in the scoring step (a decode row at its own position): its KV is
-    rewritten in its own slot, copy-on-write if the block is shared."""
+    """Drop output tokens after the first `kept` (> 0), and their logprobs; the last kept token
+    is computed again in the scoring step."""
     del seq.token_ids[seq.num_prompt_tokens + kept :]
     del seq.logprobs[kept:]
     del seq.top_logprobs[kept:]

@@ -10,7 +10,7 @@ from tapserve.coordinator.blocks import BlockManager
 from tapserve.coordinator.custom_outputs import RequestError
 
 if TYPE_CHECKING:
-    from tapserve.coordinator.engine import EngineOptions
+    from tapserve.coordinator.config import EngineOptions
 
 
 def validate_prompt(

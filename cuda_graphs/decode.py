@@ -1,8 +1,6 @@
 """Decode steps captured as CUDA graphs, one per batch-size bucket (1, 2, 4, 8, then steps of
-16 up to max_num_seqs), over static input buffers and one shared memory pool.
-
-A step of B sequences replays the smallest bucket >= B: real rows are copied into the static
-buffers, padded rows get slot -1 (their KV writes go nowhere) and a 1-token context.
+16 up to max_num_seqs), sharing one memory pool. A step of B sequences replays the smallest
+bucket >= B; padded rows get slot -1 (their KV writes go nowhere) and a 1-token context.
 """
 
 from __future__ import annotations
@@ -64,16 +62,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, before_each: Callable[[], None] = lambda: None) -> None:
-        """Capture every bucket, largest first, sharing one memory pool. Each bucket runs
-        eagerly once first (warm-up: Triton compilation, NCCL communicators)."""
+        """Capture every bucket, largest first, each after an eager warm-up (Triton, NCCL)."""
         pool = None
         for b in reversed(self.buckets):
             before_each()
             self.model(self.input_ids[:b], self._context(b))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            # a fresh context: what a backend derives once per step (its backend_state) must
-            # be computed inside the graph, not reused from the warm-up
+            # a fresh context: backend_state must be computed in the graph, not by the warm-up
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self.model(self.input_ids[:b], self._context(b))
             pool = pool or graph.pool()
@@ -94,8 +90,7 @@ class DecodeGraphs:
         self._load(self.context_lens, plan.context_lens, n)
         self.slot_mapping[n:b].fill_(-1)
         self.context_lens[n:b].fill_(1)
-        # raw to the device, widened there (uint16 tables: block_table_dtype); copy_ across
-        # devices would widen them on the host
+        # widened on the device: copy_ across devices would widen uint16 tables on the host
         tables = torch.from_numpy(plan.block_tables).to(self.device, non_blocking=True)
         self.block_tables[:n, :width].copy_(tables)
         self.graphs[b].replay()

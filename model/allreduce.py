@@ -1,31 +1,10 @@
-"""One-shot all-reduce on torch symmetric memory for small tensor-parallel messages.
+"""One-shot all-reduce on torch symmetric memory for small tensor-parallel messages
+(TAPSERVE_ALLREDUCE: auto, symm, symm_fused or nccl; docs/tensor_parallel.md).
 
-TAPSERVE_ALLREDUCE: auto (the default: symm where it applies, else NCCL, silently), symm,
-symm_fused (experimental, below) or nccl (every all-reduce is NCCL's).
-
-Each TP rank owns one buffer from `symm_mem.empty`, mapped into every peer by the collective
-`symm_mem.rendezvous` (CUDA backend: peer memory over NVLink; never multicast, no `multimem_*`
-op). A message of at most `max_bytes` (bf16 or fp32, 16-byte aligned) is copied into this rank's
-buffer (or written there by its producer: a row-parallel linear asks `TPGroup.partial_sums`
-for its output, so at batch 1 the GEMV writes straight into it) and summed by
-`torch.ops.symm_mem.one_shot_all_reduce_out(input, "sum", group_name, out)`
-(torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryOps.cu): the kernel meets the peers on
-the buffer's signal pads, reads every peer's buffer, adds them in rank order (every rank gets
-the same bits) and writes the sum back into the input; a closing barrier lets the next call
-reuse the buffer. Anything else (larger, fp16, misaligned) takes NCCL.
-
-`symm_fused` copies inside the kernel: `one_shot_all_reduce_copy_out(symm_buffer, local_input,
-"sum", group_name, out)`, one launch fewer, but torch's kernel signals the peers after each
-thread's own copy without the `__syncthreads()` its header's "pattern 1" asks for, so a peer
-could in principle read a slot another warp has not written yet. Experimental.
-
-CUDA graphs: the op's host side only looks the rendezvous up (no collective) and launches a
-kernel on device pointers fixed at rendezvous; the signal pads are CAS flags every barrier
-returns to zero, so a captured call replays like an eager one (vLLM and SGLang capture torch's
-symm_mem all-reduces too). TPGroup holds the communicator, so buffer and handle outlive graphs.
-
-Set-up is collective, on every rank before any capture: check the op, allocate, rendezvous,
-self-test; the ranks agree after each step, and a failure anywhere leaves every rank on NCCL.
+Each rank's buffer is mapped into every peer (CUDA backend, never multicast); a message of at
+most max_bytes (bf16 or fp32, 16-byte aligned) is summed by torch's one-shot kernel in rank
+order, so every rank gets the same bits. Anything else takes NCCL. Set-up is collective and
+comes before any CUDA-graph capture; a failure on any rank leaves every rank on NCCL.
 """
 
 from __future__ import annotations
@@ -53,8 +32,7 @@ _STAGED = ("one_shot_all_reduce_out", "input reduce_op group_name out")
 
 
 def mode_from_env() -> str:
-    """The all-reduce switch: TAPSERVE_ALLREDUCE (auto | nccl | symm | symm_fused), auto when
-    unset."""
+    """TAPSERVE_ALLREDUCE, lower-cased; "auto" when unset."""
     return os.environ.get(ENV, "auto").strip().lower() or "auto"
 
 
@@ -100,7 +78,7 @@ class SymmMemAllReduce:
         return dtype in DTYPES and 0 < nbytes <= self.max_bytes and nbytes % ALIGN == 0
 
     def eligible(self, x: torch.Tensor) -> bool:
-        """Same answer on every rank for the same shape and dtype (no data-dependent test)."""
+        """Whether the kernel takes x: the same answer on every rank for a shape and dtype."""
         return (
             self._fits(x.numel() * x.element_size(), x.dtype)
             and x.device == self.buffer.device
@@ -109,25 +87,20 @@ class SymmMemAllReduce:
         )
 
     def staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor of this shape over the start of the symmetric buffer, for a producer to
-        write its partial sums into (a row-parallel linear), so that `reduce` reads them
-        where they lie instead of copying them in; None where no such message is eligible,
-        and in the fused variant (its kernel does the copy)."""
+        """A tensor over the start of the buffer for a producer to write its partial sums
+        into, summed there by `reduce`; None where ineligible, and in the fused variant."""
         nbytes = math.prod(shape) * dtype.itemsize
         if self.fused or not self._fits(nbytes, dtype):
             return None
         return self.buffer[:nbytes].view(dtype).view(shape)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The sum of x over the group, or None (x untouched) when x is not eligible, and
-        the caller falls back to NCCL. x from `staging` is summed where it lies, into a new
-        tensor (the kernel's output cannot be its input); any other x is copied into the
-        buffer and the sum written back into x, which is returned."""
+        """The sum of x over the group, or None (x untouched) when x is not eligible. x from
+        `staging` is summed into a new tensor; any other x is summed in place and returned."""
         ops = torch.ops.symm_mem
         if x.data_ptr() == self.buffer.data_ptr() and self.eligible(x):
             out = torch.empty_like(x)
-            # the producer's kernel ended before this one starts (same stream, no PDL here),
-            # so its writes are in the buffer before the kernel signals the peers
+            # same stream, no PDL: the producer's writes land before the kernel signals peers
             ops.one_shot_all_reduce_out(x.view(-1), "sum", self.group_name, out.view(-1))
             return out
         if not self.eligible(x):
@@ -142,7 +115,7 @@ class SymmMemAllReduce:
         return x
 
     def _self_test(self, rank: int, size: int) -> None:
-        """Known small-integer sums (exact in bf16), one row and the whole buffer, per dtype."""
+        """Check known small-integer sums (exact in bf16) per dtype; a RuntimeError if wrong."""
         for dtype in DTYPES:
             for numel in (ALIGN, self.max_bytes // dtype.itemsize):
                 base = torch.arange(numel, device=self.buffer.device) % 13
@@ -158,8 +131,8 @@ class SymmMemAllReduce:
     def create(
         cls, group: Any, device: torch.device, max_bytes: int, fused: bool = False
     ) -> SymmMemAllReduce | None:
-        """Collective over `group` (a NCCL ProcessGroup): every rank calls it with the same
-        arguments, before any CUDA-graph capture. None on every rank if any rank fails."""
+        """Collective over `group` (NCCL), with the same arguments on every rank, before any
+        CUDA-graph capture; None on every rank if any rank fails."""
         max_bytes = -(-max_bytes // ALIGN) * ALIGN
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         state: dict[str, Any] = {}
@@ -173,8 +146,7 @@ class SymmMemAllReduce:
                 raise RuntimeError(f"torch {torch.__version__}: no symm_mem.{name}({args})")
             # never NVLink multicast; read when the rendezvous decides on multicast
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-            # the CUDA backend (cuMem peer mappings), not NVSHMEM's heap; set_backend refuses
-            # the backend that is already the default, so only switch when it is another
+            # set_backend refuses the backend that is already the default
             if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) != "CUDA":
                 symm_mem.set_backend("CUDA")
             if _torch_release() < (2, 11):  # torch 2.11 finds the group's store by itself
@@ -225,10 +197,9 @@ def with_one_shot_all_reduce(
     message_bytes: int,
     cap: int = DEFAULT_MAX_BYTES,
 ) -> TPGroup:
-    """tp, with the one-shot all-reduce for messages up to min(message_bytes, cap) attached
-    when mode is "symm" / "symm_fused" / "auto" (= "symm") and it sets up on every rank;
-    otherwise tp unchanged (a warning where an explicit mode does not apply; "auto" says
-    nothing). Collective when it tries: call on every rank at start-up, before graph capture."""
+    """tp with the one-shot all-reduce for messages up to min(message_bytes, cap) attached when
+    mode asks for it and it sets up on every rank, else tp (a warning unless mode is "auto");
+    a ValueError for an unknown mode. Collective: every rank, before graph capture."""
     if mode not in MODES:
         raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "nccl" or tp.size == 1:

@@ -1,9 +1,8 @@
 """Paged attention: the per-step metadata, the KV-cache store and the torch reference backend.
 
-KV cache layout, per layer: k_cache and v_cache of shape [num_blocks, block_size, num_kv_heads,
-head_dim]. Token t of a sequence lives in block block_table[t // block_size] at offset
-t % block_size; its flat slot is block * block_size + offset. A slot of -1 writes nowhere
-(padded rows of a CUDA graph).
+Per layer, k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim]; token t
+of a sequence has flat slot block_table[t // block_size] * block_size + t % block_size, and a
+slot of -1 writes nowhere (padded rows of a CUDA graph).
 """
 
 from __future__ import annotations
@@ -28,12 +27,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32, prefix + new tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32
     is_decode: bool  # every sequence has query_len == 1
-    # host copies, for what a backend plans on the host: the reference backend loops over
-    # sequences, the Triton backend builds its extend work list
+    # host copies, for what a backend plans on the host
     query_start_loc_host: list[int] | None = None
     context_lens_host: list[int] | None = None
-    # what a backend derives from this step's metadata once and reuses in every layer (the
-    # Triton backend's extend work list), filled on first use
+    # what a backend derives once per step and reuses in every layer, filled on first use
     backend_state: dict[object, object] = field(default_factory=dict)
 
 

@@ -9,6 +9,7 @@ just define the methods (duck typing).
 from __future__ import annotations
 
 import abc
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -34,6 +35,9 @@ class CustomOutputHandler(abc.ABC):
 
     NO_OUTPUT = -1
     LAST_GENERATED = -2  # score each sequence's last generated token when it finishes
+    # optional: the names of a [rows, width] output's columns (`width` names), or one name
+    # for a [rows] output; checked against the dry run, listed in /v1/models
+    labels: str | list[str] | tuple[str, ...] | None = None
 
     def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
         """Once per request on rank 0, after tokenization / chat templating. Zero-based index
@@ -85,10 +89,14 @@ def check_output(out: object, rows: int) -> torch.Tensor:
         )
     if out.dim() not in (1, 2) or out.numel() == 0:
         raise CustomOutputError(
-            f"shape {tuple(out.shape)} must be nonempty [rows] or [rows, width]"
+            f"shape {list(out.shape)} must be nonempty [rows] or [rows, width]: "
+            f"expected [{rows}] or [{rows}, width]"
         )
     if out.shape[0] != rows:
-        raise CustomOutputError(f"returned {out.shape[0]} rows for {rows} selected tokens")
+        raise CustomOutputError(
+            f"returned {out.shape[0]} rows for {rows} selected tokens: shape "
+            f"{list(out.shape)}, expected [{rows}] or [{rows}, width]"
+        )
     row_bytes = out[0].numel() * out.element_size()
     if row_bytes > MAX_ROW_BYTES:
         raise CustomOutputError(
@@ -96,6 +104,39 @@ def check_output(out: object, rows: int) -> torch.Tensor:
             f"limit per request ({tuple(out.shape)} {out.dtype})"
         )
     return out
+
+
+def check_labels(handler: object, out: torch.Tensor) -> str | list[str] | None:
+    """The handler's `labels` (None when it declares none) as /v1/models lists them,
+    checked against its dry run's output `out`: one name for a [rows] output, one per
+    column of a [rows, width] output (distinct). A HandlerLoadError names a mismatch."""
+    name = type(handler).__name__
+    labels = getattr(handler, "labels", None)
+    if labels is None:
+        return None
+    if out.dim() == 1:
+        if not isinstance(labels, str) or not labels:
+            raise HandlerLoadError(
+                f"custom handler {name}.labels must be one nonempty name (a str) for its "
+                f"[rows] output, got {describe(labels)[:200]}"
+            )
+        return labels
+    width = out.shape[1]
+    if (
+        not isinstance(labels, (list, tuple))
+        or not all(isinstance(label, str) and label for label in labels)
+        or len(set(labels)) != len(labels)
+    ):
+        raise HandlerLoadError(
+            f"custom handler {name}.labels must be a list of {width} distinct nonempty "
+            f"names for its [rows, {width}] output, got {describe(labels)[:200]}"
+        )
+    if len(labels) != width:
+        raise HandlerLoadError(
+            f"custom handler {name}.labels names {len(labels)} columns, but its output "
+            f"(the dry run's) is [rows, {width}]: {list(labels)}"
+        )
+    return list(labels)
 
 
 def describe_error(e: BaseException, with_type: bool = True) -> str:
@@ -154,13 +195,13 @@ def load_handler_class(spec: str) -> type:
             module = importlib.import_module(target)
     if class_name:
         if not hasattr(module, class_name):
-            raise HandlerLoadError(f"{target} has no class {class_name!r}")
+            classes = [c.__name__ for c in _own_classes(module)]
+            raise HandlerLoadError(
+                f"{target} has no class {class_name!r}; the classes it defines: {classes}"
+                + _closest(class_name, classes)
+            )
         return getattr(module, class_name)
-    found = [
-        c
-        for _, c in inspect.getmembers(module, inspect.isclass)
-        if c.__module__ == module.__name__ and _looks_like_handler(c)
-    ]
+    found = [c for c in _own_classes(module) if _looks_like_handler(c)]
     if len(found) != 1:
         raise HandlerLoadError(
             f"{target}: name the handler class as {target}:Class "
@@ -193,6 +234,19 @@ def check_handler_spec(spec: str) -> None:
         found = False
     if not found:
         raise HandlerLoadError(f"cannot import custom module {target!r}: no module {top!r}")
+
+
+def _own_classes(module: object) -> list[type]:
+    """The classes a module defines (not those it imports), by name."""
+    return [
+        c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == module.__name__
+    ]
+
+
+def _closest(name: str, names: list[str]) -> str:
+    """' (did you mean X?)' for the closest of names, or ''."""
+    close = difflib.get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _looks_like_handler(cls: type) -> bool:

@@ -326,6 +326,9 @@ class DemoHead(CustomOutputHandler):
     its weights are `demo_head.weight` / `demo_head.bias` from the demo checkpoint.
     """
 
+    # its two columns, named as transformers names an unnamed classifier's (id2label)
+    labels = ("LABEL_0", "LABEL_1")
+
     def __init__(self) -> None:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None

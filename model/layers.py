@@ -22,10 +22,8 @@ from tapserve.model.kernels import GEMV_MAX_ROWS as GEMV_MAX_ROWS_LIMIT  # needs
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in the tensor-parallel group (group=None: single process).
-    one_shot: the symmetric-memory all-reduce for small messages (model/allreduce.py,
-    TAPSERVE_ALLREDUCE, on by default within a CUDA host), or None: every all-reduce is
-    dist.all_reduce."""
+    """This rank's place in the tensor-parallel group (group=None: single process). one_shot:
+    the symmetric-memory all-reduce for small messages (model/allreduce.py), or None."""
 
     rank: int = 0
     size: int = 1
@@ -44,8 +42,8 @@ class TPGroup:
         return summed
 
     def partial_sums(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """Where a producer should write a message that all_reduce will sum next: a tensor
-        over the one-shot all-reduce's buffer (saves copying it in), or None (any tensor)."""
+        """Where a producer should write a message all_reduce sums next (the one-shot
+        all-reduce's buffer), or None for anywhere."""
         return None if self.one_shot is None else self.one_shot.staging(shape, dtype)
 
     def broadcast_from_rank0(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,13 +66,11 @@ def _set_weight_loader(param: nn.Parameter, loader) -> None:
 
 
 class ParallelLayoutError(ValueError):
-    """A model or flag that the ranks cannot split: every rank finds it alike, so rank 0
-    alone reports it (launch.py)."""
+    """A model or flag the ranks cannot split; every rank finds it alike, rank 0 reports it."""
 
 
 def split_evenly(n: int, d: int, what: str) -> int:
-    """n / d for a dimension split over d ranks; a ParallelLayoutError naming `what` if it
-    does not divide."""
+    """n / d; a ParallelLayoutError naming `what` unless d divides n."""
     if n % d:
         raise ParallelLayoutError(
             f"{what} ({n}) is not divisible by the tensor-parallel size ({d})"
@@ -249,14 +245,11 @@ def _find_triton() -> bool:
 
 HAS_TRITON = _find_triton()  # constant after import: Triton hot-path kernels for CUDA tensors
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# rows up to which 16-bit CUDA linears take the Triton GEMV: one (batch-1 decode); at 2 to 8
-# rows the kernel measured slower than cuBLAS (docs/benchmarks.md). TAPSERVE_GEMV_MAX_ROWS=0
-# turns it off for A/B benchmarks. Read once at import: a constant, like HAS_TRITON.
 
 
 def gemv_max_rows_from_env() -> int:
-    """TAPSERVE_GEMV_MAX_ROWS (default 1), at most GEMV_MAX_ROWS_LIMIT; a ValueError unless
-    an integer (RunnerConfig checks it at start-up)."""
+    """Rows up to which 16-bit CUDA linears take the Triton GEMV: TAPSERVE_GEMV_MAX_ROWS (default
+    1, 0 for off) within GEMV_MAX_ROWS_LIMIT; a ValueError unless an integer."""
     raw = os.environ.get("TAPSERVE_GEMV_MAX_ROWS", "1")
     try:
         return min(GEMV_MAX_ROWS_LIMIT, max(0, int(raw)))
@@ -277,8 +270,7 @@ GEMV_MAX_ROWS = _gemv_max_rows_or_default()
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether the Triton hot-path kernels handle x (CUDA, a supported dtype); CPU tensors
-    always take the plain torch code."""
+    """Whether the Triton hot-path kernels handle x (CUDA, a supported dtype)."""
     return x.is_cuda and HAS_TRITON and x.dtype in _KERNEL_DTYPES
 
 
@@ -288,10 +280,8 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, into `out` when given (contiguous, of the result's shape and dtype); on
-    CUDA, one row (batch-1 decode) of a 16-bit model times a weight that gemv_config picks
-    takes the Triton GEMV (model/kernels/gemv.py), which streams those weights faster than
-    cuBLAS's choice for them and writes into `out` itself."""
+    """F.linear, into `out` when given (contiguous, the result's shape and dtype); few-row
+    16-bit CUDA inputs take the Triton GEMV where gemv_config has a config for the weight."""
     k = x.shape[-1]
     if (
         use_triton(x)
@@ -317,8 +307,7 @@ class RMSNorm(nn.Module):
         _set_weight_loader(self.weight, _replicated_loader)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Plain norm, or (with residual) fused add + norm returning (normed, new residual).
-        CUDA: one Triton kernel (model/kernels/norm.py, same math); CPU: the torch code."""
+        """Plain norm, or (with residual) fused add + norm returning (normed, new residual)."""
         if use_triton(x) and (
             residual is None or (residual.dtype == x.dtype and residual.shape == x.shape)
         ):

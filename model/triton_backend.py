@@ -1,8 +1,7 @@
-"""The CUDA attention backend: the project's Triton kernels behind the AttentionBackend
-interface. Decode launches depend only on the batch size (a KV split count per batch size, a
-preallocated workspace), so decode can be captured in a CUDA graph. A prefill or mixed step
-runs the extend kernel over its multi-row sequences and the decode kernel over its one-row
-ones (ExtendSplit)."""
+"""The CUDA attention backend: the Triton kernels behind AttentionBackend. Decode launches
+depend only on the batch size, so decode can be captured in a CUDA graph; a prefill or mixed
+step sends its multi-row sequences to the extend kernel, its one-row ones to the decode kernel
+(docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -16,31 +15,17 @@ from tapserve.model.attention import AttentionMetadata
 from tapserve.model.decoder import AttentionBackend
 
 MAX_KV_SPLITS = 64
-# decode programs (batch x KV heads x splits) to aim for, per SM: measured on one H200 with
-# the programs launched longest context first (bench/decode_attention.py, docs/benchmarks.md,
-# 12th session): fewer leave the memory system idle at small batches, more cut contexts into
-# slivers whose partial outputs and merge cost more than they hide. From batch 67 at 8 KV
-# heads on 132 SMs this gives one split: the kernel writes the output itself, no merge.
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 8  # decode programs (batch x KV heads x splits) to aim for, measured
 TOKENS_PER_SPLIT = 256  # of the context limit: bounds the split count (see the policy)
 MIN_SPLIT_TOKENS = 64  # the decode kernel's 16-bit BLOCK_N: no split reads fewer tokens
 
 
 def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int], int]:
-    """splits(batch, kv_heads): the decode KV split count, the largest power of two for
-    which batch x kv_heads x splits stays within PROGRAMS_PER_SM programs per SM (at least
-    1), capped at ceil(max_model_len / TOKENS_PER_SPLIT) rounded up to a power of two, and at
-    MAX_KV_SPLITS. A small batch takes more splits. Powers of two only: each count is a
-    kernel variant to compile (a handful, not one per batch size).
-
-    The cap never leaves an SM without a program where more splits could still fill the
-    SMs: the count is at least the largest power of two with batch x kv_heads x splits <=
-    num_sms, within MAX_KV_SPLITS and within the splits a context at the limit can use (a
-    split reads at least MIN_SPLIT_TOKENS). That floor binds only at a short context limit
-    and small batches: with 8 KV heads (qwen3-8b at TP 1), batch 1 at a 1.3K limit takes 16
-    splits instead of 8, measured faster (docs/benchmarks.md, 15th session); with fewer KV
-    heads per rank it reaches a few batches further (unmeasured). Fewer KV heads never mean
-    fewer splits, so a workspace sized for one KV head fits every batch."""
+    """splits(batch, kv_heads): the decode KV split count, a power of two: the most that keep
+    batch x kv_heads x splits within PROGRAMS_PER_SM per SM, capped by the context limit
+    (TOKENS_PER_SPLIT a split) and MAX_KV_SPLITS, but never fewer than fill every SM where a
+    context at the limit has MIN_SPLIT_TOKENS a split (docs/kernels.md). Fewer KV heads never
+    mean fewer splits, so a workspace sized for one KV head fits every batch."""
     import triton
 
     from tapserve.model.kernels import num_kv_splits_for
@@ -67,10 +52,8 @@ def decode_split_policy(max_model_len: int, num_sms: int) -> Callable[[int, int]
 
 
 class DecodeWorkspace:
-    """The decode kernel's split count per batch shape and one flat workspace for them all,
-    sized for the most rows x splits any batch up to max_batch asks for (one KV head per rank
-    is the worst case). Views are made once per (batch, kv_heads): eager decode asks once per
-    layer per step."""
+    """The decode kernel's split count per batch shape and one flat workspace for all batches
+    up to max_batch; views made once per (batch, kv_heads)."""
 
     def __init__(
         self,
@@ -124,11 +107,9 @@ class DecodeWorkspace:
 
 @dataclass
 class ExtendSplit:
-    """A non-decode step's attention work, derived once per step (and kept in the metadata's
-    backend_state): the extend kernel's work list over the sequences with more than one query
-    row, and the one-row sequences (the decoding rows of a mixed step), which go to the decode
-    kernel. That kernel reads each KV head once for its whole query group; the extend kernel
-    would give every query head of such a row a program of BLOCK_M rows with one in use."""
+    """A non-decode step's attention work, derived once per step (kept in backend_state): the
+    extend kernel's work list over the multi-row sequences, and the one-row sequences, which
+    go to the decode kernel."""
 
     work: torch.Tensor  # [P, 2] int32, model.kernels.extend.extend_work
     decode_rows: torch.Tensor | None  # [Bd] int64: the one-row sequences' rows of q

@@ -1,9 +1,8 @@
-"""Process groups and the step-plan channel.
+"""Process groups and the step-plan channel (docs/tensor_parallel.md).
 
-torchrun (or `launch.py --nproc-per-node`, ranks/local_group.py) sets RANK / WORLD_SIZE /
-LOCAL_RANK; without them tapserve runs as one process with no process group at all. The model's collectives use NCCL on CUDA and gloo on CPU; a second
-gloo group carries plans, so CPU and GPU share one code path. Both groups time out after
-`peer_timeout` seconds, which bounds how long a rank waits for a dead peer.
+Without RANK / WORLD_SIZE (torchrun or `launch.py --nproc-per-node`) tapserve runs as one
+process with no group. The model's collectives use NCCL on CUDA, gloo on CPU; a second gloo
+group carries plans. Both time out after `peer_timeout` seconds, bounding the wait for a peer.
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
     store_file = os.environ.get(STORE_ENV)  # set by ranks/local_group.py
     if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ and store_file is None:
         return DistContext(0, 1, 0, TPGroup(), None)  # plain `python launch.py`: no group
-    # launched as a group (torchrun or --nproc-per-node), even one rank joins a real group
-    # (NCCL on CUDA): the TP code path
+    # launched as a group, even one rank joins a real group: the TP code path
     timeout = timedelta(seconds=peer_timeout)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -79,20 +77,11 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
 
 
 class PlanChannel:
-    """Broadcasts one StepPlan per step from rank 0, normally in one broadcast.
-
-    Each message has a fixed size both sides know in advance: its header holds the plan's
-    length and the size of the next message, which rank 0 picks from this plan's size with
-    some headroom (decode plans grow slowly: a block-table column every block_size steps).
-    A plan larger than the agreed size sends its remainder in a second broadcast; the next
-    message is then sized to fit it.
-    """
+    """Broadcasts one StepPlan per step from rank 0 in a message of the size agreed by the
+    last one's header (a larger plan sends its remainder in a second broadcast)."""
 
     def __init__(self, group: Any, min_message_bytes: int = 16 * 1024, spin_s: float = 0.0):
-        """spin_s: a receiving rank polls for each plan this long before it blocks on it: a
-        thread woken from a blocking wait may start tens of µs late, and the sender waits for
-        a receiver that is ready (docs/benchmarks.md, "Plan broadcast"). Rank 0 does not
-        poll its sends: it has other threads, which a polling thread would keep off the GIL."""
+        """spin_s: how long a receiving rank polls for each plan before it blocks on it."""
         self.group = group
         self.spin_s = spin_s
         self.min_bytes = min_message_bytes
@@ -106,8 +95,7 @@ class PlanChannel:
         self._wire_body = self.rest  # a tensor over its buffer from its start
 
     def send(self, plan: StepPlan, timeout_s: float | None = None) -> None:
-        """Broadcast one plan; timeout_s bounds each broadcast's wait (a RuntimeError past it)
-        where a peer may hang, instead of the group's own timeout."""
+        """Broadcast one plan; timeout_s, if given, bounds each broadcast (RuntimeError past it)."""
         wire = plan.wire
         if wire is not None and wire.holds(plan):
             body, n = self._laid_out(plan, wire)
@@ -133,10 +121,8 @@ class PlanChannel:
             )
 
     def _laid_out(self, plan: StepPlan, wire: PlanMessage) -> tuple[torch.Tensor, int]:
-        """The bytes to broadcast for a plan already in its message (PlanMessage), and the
-        message's length: the message's own buffer from its header on, no copy; only when
-        the agreed size outgrows the message's room (a small plan after a large one) are
-        its bytes copied into the channel's buffer."""
+        """(bytes to broadcast, message length) for a plan in its PlanMessage: the message's own
+        buffer, unless the agreed size outgrows its room (then a copy in the channel's)."""
         wire.seal(plan)
         n, start = wire.nbytes, wire.start
         if start + self.size <= wire.buffer.size:
@@ -149,11 +135,8 @@ class PlanChannel:
         return body, n
 
     def recv(self) -> StepPlan:
-        """The next plan, its arrays views of the one receive buffer (no copy): valid until
-        the next recv. A step reads its plan on the host before it returns; its copies to the
-        GPU come from pageable memory, which the driver stages before the async copy returns
-        in practice (as for rank 0's in-place advance; a pinned buffer would break this).
-        One buffer beat two used in turn on the GPU machine (docs/benchmarks.md)."""
+        """The next plan, its arrays views of the one receive buffer: valid until the next recv
+        (a pinned buffer would break the copies to the GPU; docs/tensor_parallel.md)."""
         message = self._receive_buffer(self.size)
         self._receive(message)
         head = message.numpy()
@@ -177,8 +160,8 @@ class PlanChannel:
         work.wait()  # (raises what the broadcast raised)
 
     def _next_size(self, n: int) -> int:
-        """Keep the agreed size while this plan fits in it and fills more than half of it;
-        else this plan's size plus 1/16 headroom, rounded up to 4 KiB."""
+        """The agreed size while this plan fits it and fills more than half of it, else the
+        plan's size plus 1/16, rounded up to 4 KiB."""
         need = n + HEADER_BYTES
         if need <= self.size and 2 * need > self.size:
             return self.size
@@ -206,9 +189,8 @@ def _at_least(buffer: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def shutdown_distributed() -> None:
-    """Leave the process groups. NCCL communicators are not torn down collectively: a rank
-    that is already gone (or exiting) would leave the others waiting in destroy; process exit
-    releases them instead."""
+    """Leave the process groups; NCCL's are left to process exit (a rank already gone would
+    leave the others waiting in a collective destroy)."""
     if not dist.is_initialized():
         return
     if dist.get_backend() == "nccl":

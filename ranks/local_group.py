@@ -1,13 +1,8 @@
 """Single-node tensor parallelism without torchrun: `python launch.py --nproc-per-node N ...`.
 
-The parent starts N rank processes (this same command line, with RANK, LOCAL_RANK and
-WORLD_SIZE set, as torchrun sets them). They rendezvous through a torch FileStore in a private
-0700 directory instead of a TCP store, and gloo and NCCL are pinned to the loopback interface,
-so a single-node group listens on no TCP port but the API's. (torchrun's own rendezvous store
-listens on all interfaces and torch offers no way to bind it; docs/reliability.md.)
-
-Like torchrun, the parent forwards SIGINT/SIGTERM to every rank (rank 0 drains and stops the
-group; the other ranks ignore signals) and, once a rank fails, stops the rest.
+The N ranks rendezvous through a FileStore in a private 0700 directory, gloo and NCCL pinned
+to loopback, so the group listens on no TCP port (docs/reliability.md). As torchrun, the parent
+forwards SIGINT/SIGTERM to every rank and, once a rank fails, stops the rest.
 """
 
 from __future__ import annotations
@@ -61,9 +56,8 @@ def run_local_group(nproc: int, argv: list[str], grace_s: float = 30.0) -> int:
 
 
 def _wait(ranks: list[subprocess.Popen], grace_s: float) -> int:
-    """Wait for every rank; after the first failure give the rest grace_s, then kill them.
-    The first failing rank's exit status (128 + N for one a signal N ended: a negative
-    status given to sys.exit would come out as 256 - N)."""
+    """Wait for every rank, killing the rest grace_s after the first failure; that rank's exit
+    status (128 + N for signal N)."""
     failed_at, first = None, 0  # the first failure's status (not that of a rank we stopped)
     while [p.poll() for p in ranks].count(None):  # polls every rank (any() would stop early)
         codes = [p.returncode for p in ranks if p.returncode not in (None, 0)]

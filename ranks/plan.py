@@ -1,11 +1,7 @@
 """StepPlan: everything every rank needs to run one step, and its msgpack codec.
 
-Arrays travel as raw bytes (one trailing bin, each array 8-aligned), never as Python lists. A
-plan is self-contained: a rank needs nothing from earlier plans but its KV cache. On rank 0 a
-plan is used up within its step: its arrays may be views of the planner's buffers (the block
-tables, or a PlanMessage that the next decode step advances in place), which the next build
-rewrites (copy a plan to keep it). Received plans are views of the channel's receive buffer
-(ranks/group.py: valid until the next receive).
+A plan is self-contained but for the KV cache. Its arrays may be views of the planner's buffers
+(rank 0: valid for its step) or of the channel's receive buffer (valid until the next receive).
 """
 
 from __future__ import annotations
@@ -31,11 +27,7 @@ def _empty(dtype) -> np.ndarray:
 
 
 def block_table_dtype(num_blocks: int) -> np.dtype:
-    """The dtype plans carry block tables in for a pool of num_blocks blocks: uint16 while
-    every block id fits, else int32. Tables are most of a decode plan (at batch 256 and
-    context 2K, 74 KB of 84 in uint16, 147 KB of 158 in int32), and a plan that fits the
-    socket buffers leaves rank 0's broadcast before rank 1 has posted its receive
-    (docs/benchmarks.md, "Plan broadcast"). Runners widen them to int32 on the device."""
+    """Plans' block-table dtype: uint16 while every block id of the pool fits, else int32."""
     return np.dtype(np.uint16 if num_blocks <= 1 << 16 else np.int32)
 
 
@@ -49,8 +41,7 @@ class StepPlan:
     context_lens: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B]
     # [B, M] block ids, zero-padded: uint16 where the pool allows (block_table_dtype), else int32
     block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
-    # rows to sample from, strictly increasing (the runner takes every row unindexed when
-    # there are as many as rows)
+    # rows to sample from, strictly increasing
     logit_rows: np.ndarray = field(default_factory=lambda: _empty(np.int64))
     custom_rows: np.ndarray = field(
         default_factory=lambda: _empty(np.int64)
@@ -59,9 +50,7 @@ class StepPlan:
         default_factory=lambda: np.zeros((0, 2), np.int64)
     )  # (src, dst)
     graph_bucket: int = -1  # CUDA-graph batch bucket, -1 = eager
-    # a decode step scheduled ahead of its predecessor's sampling (coordinator/run_ahead.py):
-    # its token ids are still on rank 0's GPU and reach every rank in a broadcast from rank 0
-    # at the start of this step (ModelRunner.execute); input_ids holds placeholders
+    # a step scheduled ahead (coordinator/run_ahead.py): the ids come from rank 0's GPU
     ids_from_rank0: bool = False
     # rank 0 only: the message whose data the arrays are views of (PlanMessage), if any
     wire: PlanMessage | None = field(default=None, compare=False, repr=False)
@@ -75,19 +64,14 @@ class StepPlan:
         return int(self.context_lens.shape[0])
 
 
-# the plan's scalars, written in the message's head (_pack_head) in this order
 _HEAD_FIELDS = ("kind", "graph_bucket", "ids_from_rank0")
 # the wire's order: the block tables last, so that a laid-out message widens them in place
 _ARRAY_FIELDS = [
     f.name for f in fields(StepPlan) if f.name not in (*_HEAD_FIELDS, "wire", "block_tables")
 ] + ["block_tables"]
-_ALIGN = 8  # each array starts 8-aligned in the data blob (aligned in a copy of the blob;
-# views of a received buffer are as aligned as the blob's start there, which numpy and torch
-# read either way)
-# The message is one msgpack map: {"kind": int, "graph_bucket": int, "ids_from_rank0": bool,
-# "arrays": [[dtype, shape], ... in _ARRAY_FIELDS order], "data": bin}. "data" comes last so
-# that the sender can write the arrays' bytes straight into the broadcast buffer after the
-# packed head.
+_ALIGN = 8  # each array's offset in the data blob
+# one msgpack map {kind, graph_bucket, ids_from_rank0, arrays: [[dtype, shape], ...], data: bin},
+# "data" last: the sender writes the arrays' bytes straight after the packed head
 _HEAD_KEYS = [msgpack.packb(k) for k in (*_HEAD_FIELDS, "arrays", "data")]
 TRANSPORT_HEADER_BYTES = 16  # room a PlanMessage leaves before its head (PlanChannel's header)
 
@@ -97,14 +81,12 @@ def _padded(nbytes: int) -> int:
 
 
 def _int32(value: int) -> bytes:
-    """A msgpack int32, whatever the value's size: the head's length depends only on the
-    arrays' dtypes and ranks, so a new bucket or shape is rewritten in place."""
+    """A msgpack int32 whatever the value: a head's length depends on dtypes and ranks only."""
     return b"\xd2" + int(value).to_bytes(4, "big", signed=True)
 
 
 def _head_fields(plan: StepPlan) -> tuple[int, int, bool]:
-    """What a message's head says besides its arrays' layout: the _HEAD_FIELDS, in order
-    (spelled out: this runs every decode step)."""
+    """plan's _HEAD_FIELDS, in order (spelled out: this runs every decode step)."""
     return plan.kind, plan.graph_bucket, plan.ids_from_rank0
 
 
@@ -140,9 +122,7 @@ def _pack_head(fields: tuple[int, int, bool], arrays: list[np.ndarray]) -> bytes
 
 
 class EncodedPlan:
-    """A plan laid out for the wire: the packed head (everything up to the data bytes) and
-    the arrays that follow it, so the bytes can be written into any buffer without an
-    intermediate copy."""
+    """A plan laid out for the wire: the packed head, then the arrays."""
 
     def __init__(self, plan: StepPlan):
         self.arrays = [np.ascontiguousarray(getattr(plan, name)) for name in _ARRAY_FIELDS]
@@ -164,16 +144,12 @@ class EncodedPlan:
 
 
 class PlanMessage:
-    """A plan laid out in its wire message once, its arrays handed out as writable views of
-    the message's data: a plan built or advanced in those views is sent without encoding
-    (PlanChannel) once `seal` has written its head. The buffer leaves TRANSPORT_HEADER_BYTES
-    before the head and room after the data (a transport may send a fixed size, and the
-    block tables, last, may widen in place). Other shapes need a new message."""
+    """A plan laid out in its wire message once, its arrays writable views of the message: a plan
+    built or advanced in them is sent without encoding once `seal` has written its head."""
 
     def __init__(self, plan: StepPlan, table_width: int = 0, reuse: np.ndarray | None = None):
-        """plan's arrays laid out; its block tables zero-padded to table_width columns if
-        that is wider (room to grow without widening). reuse: the buffer of a message no
-        longer needed (none of plan's arrays in it), taken if large enough."""
+        """table_width: the least block-table width (zero-padded). reuse: a buffer no longer
+        needed (holding none of plan's arrays), taken if large enough."""
         pad = table_width - plan.block_tables.shape[1]
         if pad > 0:
             plan = replace(plan, block_tables=np.pad(plan.block_tables, ((0, 0), (0, pad))))
@@ -209,17 +185,16 @@ class PlanMessage:
         )
 
     def holds(self, plan: StepPlan) -> bool:
-        """plan's arrays are still this message's views (nobody swapped one out)."""
+        """plan's arrays are still this message's views."""
         return all(getattr(plan, name) is view for name, view in zip(_ARRAY_FIELDS, self.views))
 
     def widen(self, width: int) -> bool:
-        """Give the block tables `width` (> theirs) columns in place, the new ones zero
-        (plans made before hold stale views). False when the buffer has no room left."""
+        """Widen the block tables to `width` columns in place, the new ones zero (earlier plans
+        hold stale views); False when the buffer has no room left."""
         tables = self.views[-1]
         rows, old = tables.shape
         nbytes = self.nbytes + _padded(rows * width * tables.itemsize) - _padded(tables.nbytes)
-        # the old tables go past the new ones first: the rows overlap their new places, and
-        # numpy would copy through a fresh temporary (an mmap and page faults, every time)
+        # via scratch space: overlapping rows would make numpy copy through a fresh temporary
         scratch = _padded(self.data_start + nbytes)
         if scratch + tables.nbytes > self.buffer.size or 2 * scratch > self.buffer.size:
             return False  # (the room a transport sending a fixed size may need)
@@ -232,8 +207,7 @@ class PlanMessage:
         return True
 
     def seal(self, plan: StepPlan) -> None:
-        """Write plan's head (its kind, graph bucket and ids_from_rank0) in front of the
-        data, unless the last seal wrote the same."""
+        """Write plan's head in front of the data, unless the last seal wrote the same."""
         fields = _head_fields(plan)
         if self._sealed != fields:
             head = _pack_head(fields, self.views)
@@ -248,11 +222,8 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 
 def decode_plan(data: bytes | memoryview | np.ndarray, copy: bool = True) -> StepPlan:
-    """The plan in data (any buffer). Its arrays are writable views of one private copy of
-    the data bytes, or, with copy=False and a writable buffer, views of the buffer itself
-    (valid while the caller leaves it alone). A malformed message (not the map above, a
-    non-numeric or byte-swapped dtype, a bad shape, data of the wrong length) is a
-    ValueError."""
+    """The plan in data, its arrays writable views of a private copy (copy=False, a writable
+    buffer: of data itself); a ValueError for a malformed message."""
     view = memoryview(data)
     head = _read_head(view)  # the usual message, without msgpack copying its data
     if head is None:
@@ -272,9 +243,8 @@ def _unpack(view: memoryview) -> dict:
 
 
 def _read_head(view: memoryview) -> tuple[dict, int, int] | None:
-    """(the map without "data", where the data bytes start, how many) when the message is a
-    map whose last entry is "data", a bin, and whose head fits the first 4 KiB; else None
-    (then msgpack reads the whole message, and names what is wrong with it)."""
+    """(the map without "data", where the data bytes start, how many) for a map ending in a
+    "data" bin whose head fits the first 4 KiB; else None."""
     try:
         unpacker = msgpack.Unpacker(raw=False)
         unpacker.feed(view[:4096])
@@ -361,10 +331,8 @@ def _check_size(nbytes: int, layout: _Layout) -> None:
 
 
 class PlanDecoder:
-    """decode_plan(data, copy=False) for a stream of messages (a receiving PlanChannel): a
-    head that repeats the last one byte for byte, as every steady decode step's does (the
-    same kind, bucket, dtypes and shapes), reuses its checked parse, so only the arrays'
-    views are made."""
+    """decode_plan(data, copy=False) for a stream of messages: a head that repeats the last one
+    byte for byte (every steady decode step's) reuses its checked parse."""
 
     def __init__(self) -> None:
         self._head = b""  # the last message's bytes up to its data

@@ -57,8 +57,7 @@ class RunnerConfig:
 
 
 def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
-    """ValueError unless both are ones the runner takes (EngineConfig checks them before
-    any rank starts)."""
+    """ValueError unless the runner takes both."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(
             f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size}"
@@ -70,9 +69,8 @@ def check_block_size_and_load_format(block_size: int, load_format: str) -> None:
 
 
 class RankAgreedError(ValueError):
-    """A start-up error that every rank of a node finds alike, from the flags, the node's
-    checkpoint files, or the values the ranks agreed on (the KV cache's size): launch.py
-    prints it once per node, not once per rank."""
+    """A start-up error every rank of a node finds alike (flags, checkpoint files, agreed
+    values): launch.py prints it once per node."""
 
 
 HOST_HEADROOM_BYTES = GiB  # with a tenth of the available memory: weights, buffers, the API
@@ -160,7 +158,6 @@ class ModelRunner:
             return -1
         return self.graphs.bucket_for(plan.num_seqs)
 
-    # ---- KV cache --------------------------------------------------------------------
     def block_bytes(self) -> int:
         c = self.model_cfg
         elem = torch.empty(0, dtype=self.cfg.dtype).element_size()
@@ -175,14 +172,12 @@ class ModelRunner:
             budget = self._cuda_kv_budget()
         else:
             budget = 2 * GiB
-        # never more than every sequence at full length could use
         useful = self.cfg.max_num_seqs * -(-self.cfg.max_model_len // self.cfg.block_size) + 1
         return int(min(budget // self.block_bytes(), useful))  # (0: checked once agreed)
 
     def _check_host_memory(self, available: int) -> None:
-        """A CPU KV cache must fit the host's available memory, with the caches of the node's
-        other ranks (allocated at the same time): beyond it the allocation fails or, with
-        memory overcommitted, the kernel's OOM killer ends a rank while it fills the cache."""
+        """A CPU KV cache must fit the host's available memory with the node's other ranks'
+        caches (beyond it, the OOM killer may end a rank silently)."""
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         need = self.num_blocks * self.block_bytes() * ranks
         room = available - HOST_HEADROOM_BYTES - available // 10  # the rest of the processes
@@ -203,8 +198,8 @@ class ModelRunner:
         return int(total * self.cfg.gpu_memory_utilization - used_by_others - peak_activations)
 
     def _profile_peak_activations(self) -> int:
-        """The most memory a step's forward and logits take beyond the KV cache: the larger
-        of the two profile steps (profile_plans), each run on a scratch KV cache."""
+        """The most memory a step's forward and logits take beyond the KV cache (profile_plans,
+        each run on a scratch KV cache)."""
         peak = 0
         for plan in profile_plans(
             self.cfg.max_num_batched_tokens,
@@ -231,14 +226,12 @@ class ModelRunner:
             for _ in range(self.model_cfg.num_hidden_layers)
         ]
 
-    # ---- execution ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(
         self, plan: StepPlan, kv_caches=None, input_ids: torch.Tensor | None = None
     ) -> StepOutput | None:
-        """input_ids: on rank 0, the plan's token ids already on the device (a step scheduled
-        ahead of its predecessor's sampling, plan.ids_from_rank0), in place of plan.input_ids;
-        at TP > 1 every rank takes them from rank 0 in a broadcast first."""
+        """Run plan (None for no tokens). input_ids: rank 0's ids on the device, in place of
+        plan.input_ids (with plan.ids_from_rank0 at TP > 1, broadcast to every rank first)."""
         kv_caches = self.kv_caches if kv_caches is None else kv_caches
         self._copy_blocks(plan.block_copies, kv_caches)
         if plan.num_tokens == 0:
@@ -258,8 +251,7 @@ class ModelRunner:
         return StepOutput(hidden, logits)
 
     def _ids_from_rank0(self, n: int, ids: torch.Tensor | None) -> torch.Tensor:
-        """Rank 0's ids (ids, on its device) on every rank: one broadcast in the GPU stream,
-        so no rank's host waits for them (ranks other than 0 pass None)."""
+        """Rank 0's ids on every rank (others pass None): one broadcast in the GPU stream."""
         if self.tp.rank == 0:  # the source: sent as it lies
             return self.tp.broadcast_from_rank0(ids.contiguous())
         return self.tp.broadcast_from_rank0(self._rank0_ids[:n])
@@ -307,10 +299,8 @@ class ModelRunner:
 def profile_plans(
     max_tokens: int, max_model_len: int, max_seqs: int, block_size: int
 ) -> list[StepPlan]:
-    """The prefill steps whose forward takes the most memory the scheduler can ask for: one
-    sequence as long as a step and the context allow (the longest attention), and a full
-    token budget split over as many sequences as may run (the most tokens, and a logit row
-    each: up to max_seqs x vocab logits). Token ids 0, every row in its own blocks."""
+    """The prefill steps taking the most memory the scheduler can ask for: the longest one
+    sequence, and a full token budget over as many sequences as may run (the most logits)."""
     longest = min(max_tokens, max_model_len)
     total = min(max_tokens, max_seqs * max_model_len)
     rows = min(max_seqs, total)

@@ -1,9 +1,5 @@
-"""Triton SiLU-and-mul: x [..., 2*I] -> silu(x[..., :I]) * x[..., I:] as [..., I].
-
-Semantics of `model.layers.SiluAndMul.forward` in torch: silu is computed in fp32 and rounded
-to the input dtype, then multiplied by `up` (product in fp32, rounded once). Rows may be
-strided (last dim contiguous); the output is a new contiguous tensor. Grid depends only on
-the shape: CUDA-graph capturable.
+"""Triton SiLU-and-mul: x [..., 2*I] -> silu(x[..., :I]) * x[..., I:] as [..., I], rounded as
+`model.layers.SiluAndMul.forward` rounds (silu in fp32, rounded to x's dtype, times up in fp32).
 """
 
 from __future__ import annotations

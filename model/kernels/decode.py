@@ -1,28 +1,11 @@
-"""Triton paged decode attention (flash-decoding: split the context, then merge the splits).
+"""Triton paged decode attention: flash-decoding, the context split over programs and the
+splits merged (docs/kernels.md).
 
-Contract: one query token per sequence. q [B, H, D] attends to the first context_lens[b] tokens
-of sequence b, read from k_cache / v_cache [num_blocks, block_size, Hkv, D] through
-block_tables [B, max_blocks] (token n lives in block block_tables[b, n // block_size] at offset
-n % block_size). The query is the last position, so no causal mask is needed. GQA: query head h
-reads KV head h // (H // Hkv). A row with context_lens[b] == 0 (a padded CUDA-graph row) yields
-zeros.
-
-Stage 1, grid (Hkv * num_kv_splits, B): each program takes all G = H // Hkv query heads of one
-KV group (padded to >= 16 rows for tl.dot) over one slice of the context. A sequence's programs
-are launched together, sequence after sequence, in the order seq_order gives (default: batch
-order). Longest context first keeps the longest programs out of the tail of the launch: with
-contexts of 100-2048 tokens that was 7.7-13 % faster at batch 96-256 over two runs
-(docs/benchmarks.md). The context is cut into num_kv_splits slices of
-ceil(ceil(ctx / splits) / BLOCK_N) * BLOCK_N tokens, so short contexts only use the first
-few splits; empty splits write lse = -inf. Each program writes its
-normalised partial output and its log2-sum-exp to the workspace:
-    partial_out [>=B, H, splits, D] float32, partial_lse [>=B, H, splits] float32 (base 2,
-    of the scores already multiplied by scale * log2(e)).
-Stage 2, grid (B, H): merges the splits of one (sequence, head) into out [B, H, D]. With one
-split there is nothing to merge: stage 1 writes out itself and stage 2 is not launched.
-
-Neither grid depends on the context lengths, so the launches are CUDA-graph capturable when
-the workspace is allocated once (`make_decode_workspace`) and passed in.
+One query token per sequence: q [B, H, D] attends to the first context_lens[b] tokens of
+sequence b in k_cache / v_cache [num_blocks, block_size, Hkv, D] through block_tables; query
+head h reads KV head h // (H // Hkv). A row with context_lens[b] == 0 (a padded CUDA-graph row)
+yields zeros. No grid depends on the context lengths: with a preallocated workspace
+(`make_decode_workspace`) the launches are CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -37,8 +20,7 @@ from tapserve.model.kernels.utils import LOG2E, dot_precision
 DEFAULT_NUM_KV_SPLITS = 16
 
 
-# stride_bt is the batch's longest block table: unspecialised, so that a width of 1 or of a
-# multiple of 16 does not compile another variant in the middle of serving (~1 s each)
+# stride_bt unspecialised: a table width of 1 or 16k would compile a variant mid-serving (~1 s)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr,
@@ -236,9 +218,8 @@ def _decode_merge_kernel(
 
 @triton.jit
 def _longest_first_kernel(lens_ptr, order_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program: row i's rank is the number of rows with a longer context, or an equal
-    one and a lower index; order[rank] = i. O(n^2) comparisons, BLOCK x BLOCK at a time:
-    nothing for a batch of a few hundred rows, and one launch where a sort takes several."""
+    """One program: order[rank] = i, where row i's rank counts the rows with a longer context
+    or an equal one and a lower index (O(n^2), one launch where a sort takes several)."""
     pdl_prologue(PDL)
     offs = tl.arange(0, BLOCK)
     for first_i in range(0, n, BLOCK):
@@ -256,9 +237,8 @@ def _longest_first_kernel(lens_ptr, order_ptr, n, BLOCK: tl.constexpr, PDL: tl.c
 
 
 def longest_first(context_lens: torch.Tensor) -> torch.Tensor | None:
-    """The rows by descending context length, ties in row order: a permutation [B] int32
-    computed on the device (so a CUDA graph recomputes it at each replay), or None for a
-    single row."""
+    """The rows by descending context, ties in row order: int32 [B] computed on the device (a
+    CUDA graph recomputes it at each replay), or None for a single row."""
     n = context_lens.shape[0]
     if n < 2:
         return None
@@ -272,16 +252,15 @@ def longest_first(context_lens: torch.Tensor) -> torch.Tensor | None:
 def num_kv_splits_for(
     max_model_len: int, tokens_per_split: int = 256, max_splits: int = DEFAULT_NUM_KV_SPLITS
 ) -> int:
-    """A fixed split count for a model's context limit: about one split per tokens_per_split
-    tokens, at least 1 and at most max_splits. Choose it once, at construction."""
+    """About one split per tokens_per_split tokens of max_model_len, within [1, max_splits]."""
     return max(1, min(max_splits, triton.cdiv(max_model_len, tokens_per_split)))
 
 
 def make_decode_workspace(
     max_batch: int, num_heads: int, head_dim: int, num_kv_splits: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the stage-1 workspace once: (partial_out [max_batch, H, splits, D] float32,
-    partial_lse [max_batch, H, splits] float32). Any batch B <= max_batch may use it."""
+    """The stage-1 workspace (partial_out [max_batch, H, splits, D], partial_lse [max_batch, H,
+    splits], float32) for any batch up to max_batch."""
     part_out = torch.empty(
         max_batch, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=device
     )
@@ -308,17 +287,10 @@ def paged_decode_attention(
     config: tuple[int, int, int] | None = None,
     seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of q [B, H, D] over paged K/V; returns out [B, H, D] (q's dtype).
-
-    block_tables [B, max_blocks] int32, context_lens [B] int32 (tokens including the one whose
-    K/V this step stored). `workspace` is `make_decode_workspace(...)` output with at least B
-    rows and exactly num_kv_splits splits; without it, one is allocated per call. `out` may be a
-    strided view. The launch shapes depend only on B, H, Hkv and num_kv_splits.
-    seq_order [B] int32, a permutation of the rows: the order in which their programs launch
-    (`longest_first(context_lens)`); it changes only the speed, never the result.
-    config: (BLOCK_N, num_warps, num_stages) in place of the fixed one (for
-    bench/decode_attention.py's sweep).
-    """
+    """Decode attention of q [B, H, D] over paged K/V into out [B, H, D] (q's dtype; may be
+    strided). context_lens [B] int32 counts this step's token; workspace: at least B rows and
+    exactly num_kv_splits splits (else allocated per call). seq_order (`longest_first`) sets
+    the launch order, never the result; config overrides (BLOCK_N, num_warps, num_stages)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim

@@ -1,20 +1,10 @@
 """Triton paged extend (prefill) attention over cached prefix pages plus this step's tokens.
 
-Contract (same as `model.attention.reference_attention`): q [T, H, D] packs the new tokens of
-B sequences; sequence b owns rows query_start_loc[b]:query_start_loc[b+1] (query_len rows) and
-has context_lens[b] tokens in the paged cache, this step's keys included (the store ran first).
-Its cached prefix is context_lens[b] - query_len tokens, and query row j sits at absolute
-position prefix + j, attending causally to keys 0..prefix + j. Every key, prefix or new, is read
-from k_cache / v_cache [num_blocks, block_size, Hkv, D] through block_tables [B, max_blocks].
-GQA: query head h reads KV head h // (H // Hkv). One online softmax (fp32, log2 units) runs
-over all of a query block's keys.
-
-Grid (P, H) over a work list (`extend_work`): program p owns the BLOCK_M query rows of
-sequence work[p, 0] that start at row work[p, 1] of that sequence, for one head. The list holds
-only blocks with rows, so a batch of short and long sequences launches no idle programs, and
-it may leave sequences out (the backend sends one-token sequences to the decode kernel).
-Keys strictly before the block's first position are visible to every row and run without a
-mask; the last few key tiles (up to BLOCK_M + BLOCK_N keys) apply the causal mask.
+The contract of `model.attention.reference_attention`: q [T, H, D] packs the new tokens of B
+sequences, sequence b owning rows query_start_loc[b]:query_start_loc[b+1] at the end of its
+context_lens[b] cached tokens (this step's keys already stored), each attending causally;
+every key is read through block_tables. Programs run over a work list (`extend_work`), which
+may leave sequences out (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -92,8 +82,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-# stride_bt is the batch's longest block table: unspecialised, so that a width of 1 or of a
-# multiple of 16 does not compile another variant in the middle of serving (~1 s each)
+# stride_bt unspecialised: a table width of 1 or 16k would compile a variant mid-serving (~1 s)
 @triton.jit(do_not_specialize=["stride_bt"])
 def _extend_kernel(
     q_ptr,
@@ -225,9 +214,7 @@ def _extend_kernel(
 
 
 def extend_config(elem_size: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype and head size. 16-bit, head
-    dim <= 128: measured on an H200 at 128 (bench/extend_attention.py), 4 warps ran prompts
-    1.6-1.9x faster than 8 (docs/benchmarks.md); larger heads keep 8 (not measured)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), fixed per dtype and head size."""
     if elem_size >= 4:  # exact fp32 dots run on FMA units; a test path, not a fast one
         return (32, 32, 8, 1)
     return (64, 64, 4, 2) if head_dim <= 128 else (64, 64, 8, 2)
@@ -255,15 +242,9 @@ def extend_attention(
     work: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Causal extend attention of q [T, H, D] over paged K/V; returns out [T, H, D] (q's dtype).
-
-    query_start_loc [B+1] int32, context_lens [B] int32 (prefix + new tokens), block_tables
-    [B, max_blocks] int32. work: `extend_work(query_lens, BLOCK_M)` on q's device, built with
-    the BLOCK_M of `extend_config` (or of config); without it, every sequence's rows are
-    computed (the list is built from a host copy of query_start_loc). Rows of `out` outside
-    the work list are not written (uninitialised when out is None). config: (BLOCK_M,
-    BLOCK_N, num_warps, num_stages) in place of the fixed one.
-    """
+    """Causal extend attention of q [T, H, D] over paged K/V into out [T, H, D] (q's dtype).
+    work: `extend_work` with the BLOCK_M in use, on q's device (default: every sequence);
+    rows outside it are not written. config overrides `extend_config`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     batch = context_lens.shape[0]

@@ -1,15 +1,6 @@
-"""Triton GEMV for decode's few-row linears: y = x W^T (+ b), x [M, K], W [N, K] (nn.Linear's
-layout), M small (a decode batch bucket: 1 to MAX_ROWS).
-
-A decode step at a small batch only streams weights: each byte of W is read once and used for
-M multiply-adds. cuBLAS picks GEMM tiles for these shapes that left the 4096-wide outputs
-(q/k/v, o, down) at ~72 % of the H200's bandwidth (docs/benchmarks.md). Here each program
-owns BLOCK_N rows of W and walks K in BLOCK_K steps, keeping a [BLOCK_M, BLOCK_N, BLOCK_K]
-fp32 accumulator in registers and reducing over K once at the end, so the loop is loads and
-FMAs only (or, with reduce_each, sums each tile at once). W is loaded with evict_first (it is
-used once per step); x is small and cached. Launch configs are fixed, measured per weight
-shape (gemv_configs.json; no autotuning at start-up). The grid depends only on N:
-CUDA-graph capturable.
+"""Triton GEMV for decode's few-row linears: y = x W^T (+ b), x [M, K] with M <= MAX_ROWS, W
+[N, K] (nn.Linear's layout). Launch configs are fixed per weight shape (gemv_configs.json); the
+grid depends only on N, so it is CUDA-graph capturable. Design and figures: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -52,9 +43,8 @@ def parse_shape(shape: str) -> tuple[int, int]:
 def load_measured_configs(
     path: Path = MEASURED_CONFIGS_PATH,
 ) -> Mapping[tuple[int, int], GemvConfig | None]:
-    """The fastest kernel per weight shape (N, K) at one row, as `bench/gemv.py --sweep
-    --write-configs` measured them (the file's "sources"): a GemvConfig, or None where
-    cuBLAS was faster. An entry with a key it does not know is an error, not a fallback."""
+    """The config measured fastest per weight shape (N, K) at one row (`bench/gemv.py --sweep
+    --write-configs`), None where cuBLAS won; an unknown key in an entry raises."""
     table: dict[tuple[int, int], GemvConfig | None] = {}
     for shape, entry in json.loads(path.read_text())["configs"].items():
         fields = {key: value for key, value in entry.items() if key not in _TABLE_NOTES}
@@ -107,8 +97,7 @@ def _gemv_kernel(
     m_ok = rows_m < M
     w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * K + cols[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_x + cols[None, :]
-    # The weights are constant: under PDL the first tile is read while the previous kernel
-    # still runs; x (that kernel's output) only after the wait (model/kernels/pdl.py).
+    # under PDL the first (constant) weight tile is read before the wait; x only after it
     if PDL:
         gdc_launch_dependents()
     w = _load_tile(w_ptrs, 0, K, n_ok, cols, EVEN_K, True)
@@ -134,9 +123,8 @@ def gemv(
     config: GemvConfig = DEFAULT_CONFIG,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (at most MAX_ROWS rows in all) times weight [N, K] transposed, plus bias:
-    [..., N] in x's dtype, accumulated in fp32; written into out when given (contiguous,
-    [..., N], x's dtype)."""
+    """x [..., K] (at most MAX_ROWS rows) @ weight [N, K].T (+ bias): [..., N] in x's dtype,
+    accumulated in fp32, into out when given; a ValueError for shapes it does not take."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -189,15 +177,8 @@ def gemv(
 
 
 def gemv_config(n: int, k: int, rows: int) -> GemvConfig | None:
-    """The launch config for a weight [n, k] at `rows` rows, or None for cuBLAS.
-
-    At one row, the shapes of the reference models (gemv_configs.json: q/k/v, o, gate/up and
-    down of qwen3-0.6b/8b/32b and llama-3.1-8b at TP 1 and 2, and the 8B models' LM heads)
-    take the config measured fastest for them on the H200; the GEMV beat cuBLAS on every one
-    (docs/benchmarks.md). The best config moves with the shape, because how many programs
-    share an SM decides how many bytes each SM keeps in flight. Other shapes: DEFAULT_CONFIG,
-    except that weights of WIDE_ROWS rows or more stay on cuBLAS, which streams those at
-    3.8-4.4 TB/s. A measured shape on which cuBLAS won maps to None (none does on the H200)."""
+    """The launch config for a weight [n, k] at `rows` rows, or None for cuBLAS: the measured
+    one at one row, else DEFAULT_CONFIG below WIDE_ROWS rows."""
     if rows == 1 and (n, k) in MEASURED_CONFIGS:
         return MEASURED_CONFIGS[(n, k)]
     return None if n >= WIDE_ROWS else DEFAULT_CONFIG

@@ -1,19 +1,8 @@
-"""Triton RMSNorm: plain, fused residual-add, over the last dim of any leading shape.
-
-Semantics are those of `model.layers.RMSNorm.forward` (as in HF):
-    xf  = x.float()
-    y   = weight * (xf * rsqrt(mean(xf^2, -1) + eps)).to(x.dtype)
-and, fused with the residual add,
-    s   = (x + residual)          # rounded to x.dtype, as torch does
-    out = rmsnorm(s), new_residual = s.
-The sum of squares is reduced in fp32; the final weight multiply is done in fp32 on values
-already rounded to the input dtype and rounded once to the output dtype, which is exactly
-what torch does for bf16/fp16/fp32 (the product of two 16-bit floats is exact in fp32).
-
-Rows: the leading dims are flattened into rows; up to two leading dims may be strided (e.g.
-q / k views of a fused QKV projection, [T, heads, head_dim] with stride(0) = qkv width), so
-no copy is made. The last dim must be contiguous (it is copied otherwise). Outputs are new,
-contiguous tensors (or `out`). Grid depends only on the shape: CUDA-graph capturable.
+"""Triton RMSNorm, plain or fused with the residual add, over the last dim of any leading shape,
+with the roundings of `model.layers.RMSNorm.forward`: the sum of squares in fp32, the normed
+value rounded to the input dtype, times the weight in fp32, rounded once; fused, the sum
+x + residual is rounded to x's dtype first. Up to two leading dims may be strided (q / k views
+of a fused QKV projection), with no copy. Outputs are new contiguous tensors (or `out`).
 """
 
 from __future__ import annotations
@@ -75,9 +64,8 @@ def _rms_norm_kernel(
 
 
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
-    """(tensor, n_rows, inner, stride_outer, stride_inner): row r lives at
-    (r // inner) * stride_outer + (r % inner) * stride_inner. Copies only when the layout
-    cannot be expressed that way (last dim strided, or more than two strided leading dims)."""
+    """(tensor, n_rows, inner, stride_outer, stride_inner), row r at (r // inner) * stride_outer
+    + (r % inner) * stride_inner; a copy only where no such layout exists."""
     if t.dim() == 1:
         t = t.unsqueeze(0)
     if t.stride(-1) != 1:
@@ -96,8 +84,7 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
 
 
 def _launch_cfg(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_N, ROWS, num_warps): one row per program for wide rows (hidden size), several
-    short rows (per-head q/k norm) per program so each program moves a few KB."""
+    """(BLOCK_N, ROWS, num_warps): several short rows (per-head norm) a program, a few KB each."""
     block_n = triton.next_power_of_2(n_cols)
     rows = max(1, min(16, 2048 // block_n))
     tile = block_n * rows
@@ -182,8 +169,7 @@ def rms_norm(
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(x + residual), x + residual), the sum rounded to x.dtype first. Inputs are
-    not modified; both results are new contiguous tensors."""
+    """(rmsnorm(x + residual), x + residual) as new tensors, the sum rounded to x.dtype first."""
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(

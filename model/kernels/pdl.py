@@ -1,22 +1,8 @@
-"""Programmatic dependent launch (PDL) for the decode path's kernels.
+"""Programmatic dependent launch (PDL) for the decode path's kernels (docs/kernels.md).
 
-A batch-1 decode step is ~400 short kernels in a CUDA graph, and the GPU idles for a moment
-between any two of them. Launched with PDL (Hopper and newer), a kernel is scheduled while
-its predecessor still runs: every kernel here waits for its predecessor to finish (and its
-writes to land) before it reads anything but constants (the GEMV reads its first weight
-tile before the wait), and lets its own successor launch at once. A kernel finishes only
-after its wait, so the chain stays transitive: no kernel reads what an earlier one has not
-finished writing. Kernels of other libraries in between (cuBLAS, torch, NCCL) launch as
-usual.
-
-Two rules keep this safe, and every kernel launched through pdl_options must follow them:
-  * pdl_prologue (or, in the GEMV, gdc_wait) comes before any read of another kernel's
-    output and before any write; no program returns before it;
-  * what a kernel reads before its wait is constant while serving (the weights: nothing on
-    the GPU writes them after loading).
-
-TAPSERVE_PDL=0 turns it off (A/B benchmarks; read once, at import); CPU tensors (the
-interpreter) and GPUs before Hopper never use it.
+A kernel launched through pdl_options calls pdl_prologue (or, in the GEMV, gdc_wait) before it
+reads another kernel's output or writes anything, and reads only constants before it.
+TAPSERVE_PDL=0 (read at import) turns it off; CPU tensors and GPUs before Hopper never use it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""Triton rotary embedding (rotate-half layout, as `model.rotary._apply`), optionally fused with
-Qwen3's per-head q/k RMSNorm.
-
-    cos_t, sin_t = cos[positions[t]], sin[positions[t]]              # fp32 caches [P, D]
-    out = (x.float() * cos_t + rotate_half(x).float() * sin_t).to(x.dtype)
-    rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])
-
-`apply_rotary` returns NEW contiguous tensors (q and k are not modified; they may be strided
-views of a fused QKV projection, last dim contiguous). `qk_norm_rotary` first applies
-RMSNorm per head (fp32 math, rounded to the input dtype, times the weight, rounded again: as
-`model.layers.RMSNorm.forward`), then the rotation above, in one kernel. `rotary_store`
-and `qk_norm_rotary_store` write the rotated k, and v as it is, into the paged KV cache
-(`KVStore`; the contract of `model.attention.store_kv`: slot -1 writes nowhere) instead of
-returning k: one launch where rotary and the store took two.
-
-Grid: (T,). One program rotates every q and k head of one token; the grid depends only on T,
-so the launch is CUDA-graph capturable.
+"""Triton rotary embedding (rotate-half, as `model.rotary._apply`: fp32 cos/sin caches, the
+result rounded to x's dtype), optionally after Qwen3's per-head q/k RMSNorm (rounded as
+`model.layers.RMSNorm.forward`), optionally writing the rotated k and v into the paged KV cache
+(`KVStore`, the contract of `model.attention.store_kv`) in the same launch. q and k may be
+strided views with a contiguous last dim; results are new contiguous tensors.
 """
 
 from __future__ import annotations
@@ -47,8 +35,7 @@ def _rotate_heads(
     BLOCK_H: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    """Rotate (and optionally RMS-normalize) the [n_heads, HEAD_DIM] tile of one token.
-    src/dst point at the token's first head; s_h/d_h are the head strides."""
+    """Rotate (and optionally RMS-normalize) one token's [n_heads, HEAD_DIM] tile, src to dst."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = offs_h[:, None] < n_heads

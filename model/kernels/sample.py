@@ -1,32 +1,6 @@
-"""Triton temperature sampling in one pass over the logits (the Gumbel-max trick).
-
-argmax_v(x_v / T + g_v), with g_v = -log(-log(u_v)) and u_v uniform, is distributed as
-softmax(x / T): no softmax, no normalisation, no noise tensor in memory.
-
-Each row is split into `splits` chunks of whole loop blocks, one program each, since one
-program streaming a whole 151,936-wide row is bound by its own memory latency: on an H200, one
-row took 68 us of GPU time unsplit and 7 us split 75 ways, 64 rows 70 and 38 us. (256 rows,
-~122 us split and ~135 unsplit, are bound by arithmetic, most of it the two accurate log2s,
-not by the 36 us of their bytes.) Pass 1, grid rows x splits: each program streams its chunk
-once, a running best per lane, and writes the chunk's best score and the first column holding
-it to a small scratch. Pass 2, one program a row: the highest of those scores, ties to the
-lowest column. Either way the winner is the row's first column with the highest score, so the
-split and the block change the speed, never the token: each (row, column) scores as before,
-only the reduction is split. NaN scores never win; a row with no score above -inf draws
-column 0. `splits` follows from the row and vocab counts alone (about _PROGRAMS programs in
-all), and it, the chunk width and the seed reach the kernels as runtime ints: a new batch
-size compiles no new variant.
-
-The uniform numbers come from a counter-based hash, C. Wellons' lowbias32 (two multiplies,
-three xor-shifts; a bijection of 32-bit words) of the counter row * vocab + v, with the key
-lowbias32(seed) xor-ed in after its first multiply: each seed permutes the counters its own
-way (an added key would only shift one fixed stream), and a seed fixes the draw. It is about
-a third of Philox's arithmetic per number. 23 bits of each hash make u = (k + 1/2) / 2**23,
-in [2**-24, 1 - 2**-24]: exact in float32, never 0 or 1 (u = 1 would give a score of +inf,
-a win whatever the logit).
-
-For rows that sample with a temperature alone (no top-k, top-p or min-p); torch does the rest
-(coordinator/sampler.py).
+"""Triton temperature sampling in one pass over the logits (the Gumbel-max trick; design in
+docs/kernels.md): a draw from softmax(logits / T), fixed by the seed, for rows that sample with
+a temperature alone (torch does top-k, top-p and min-p: coordinator/sampler.py).
 """
 
 from __future__ import annotations
@@ -43,8 +17,7 @@ _LOG2_E = 1.4426950408889634
 
 @triton.jit
 def _keyed_hash(x, key):
-    """x, key: uint32. lowbias32 with the key xor-ed in mid-way: for each key a bijection of
-    x, and different keys give unrelated permutations."""
+    """lowbias32 of x (uint32) with the key xor-ed in mid-way: a bijection of x per key."""
     x ^= x >> 16
     x *= 0x7FEB352D
     x ^= key
@@ -54,8 +27,7 @@ def _keyed_hash(x, key):
     return x
 
 
-# runtime ints, never constexpr: a seed, chunk or split count of 1 (or one divisible by 16)
-# would otherwise compile a variant of its own, and the batch size sets chunk and splits
+# runtime ints: a seed, chunk or split count of 1 (or divisible by 16) would compile a variant
 @triton.jit(do_not_specialize=["seed", "chunk", "splits"])
 def _chunk_best_kernel(
     logits_ptr,
@@ -69,12 +41,9 @@ def _chunk_best_kernel(
     PER_ROW: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Pass 1, program (row, split): over columns [split * chunk, (split + 1) * chunk) of the
-    row, the highest score and the first column holding it, to part_ptr [rows, splits, 2]
-    int32 (the score's float32 bits, the column; -inf and 0 if no score beats -inf).
-    inv_temp: log2(e) / temperature, a pointer to one per row (PER_ROW) or one float for all.
-    Base-2 logarithms: argmax(x / T - ln(-ln u)) = argmax(x log2(e) / T - log2(-log2 u)).
-    (tl.log2 is libdevice's accurate log2f: the faster lg2.approx would move near ties.)"""
+    """Pass 1, program (row, split): the highest score over the split's chunk of columns and
+    the first column holding it, to part_ptr [rows, splits, 2] int32 (float32 bits, column;
+    -inf and 0 if none beats -inf). inv_temp: log2(e) / T, per row (PER_ROW) or one float."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     base = logits_ptr + row.to(tl.int64) * stride
@@ -92,7 +61,6 @@ def _chunk_best_kernel(
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         bits = _keyed_hash(first + cols.to(tl.uint32), key)
         u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: exact, in (0, 1)
-        # the Gumbel score over ln 2: x / (T ln 2) - log2(-log2(u)) + a constant
         score = tl.where(mask, x * inv_temp - tl.log2(-tl.log2(u)), float("-inf"))
         better = score > best  # strict: per lane, the first column wins a tie; NaN never
         best = tl.where(better, score, best)
@@ -106,8 +74,7 @@ def _chunk_best_kernel(
 @triton.jit(do_not_specialize=["splits"])
 def _pick_kernel(part_ptr, out_ptr, vocab, splits, MAX_SPLITS: tl.constexpr):
     """Pass 2, one program a row: the highest of the row's chunk scores, ties to the lowest
-    column (the chunks lie in column order, each with its first best column). A row with no
-    score above -inf gets its chunks' 0."""
+    column; a row with no score above -inf gets column 0."""
     row = tl.program_id(0)
     s = tl.arange(0, MAX_SPLITS)
     mask = s < splits
@@ -120,8 +87,8 @@ def _pick_kernel(part_ptr, out_ptr, vocab, splits, MAX_SPLITS: tl.constexpr):
 
 
 def _split(rows: int, vocab: int, block: int, splits: int | None) -> tuple[int, int]:
-    """(splits, chunk): chunks of whole blocks, about _PROGRAMS programs over all rows (or
-    about `splits` chunks a row if given), at most _MAX_SPLITS and one block each at least."""
+    """(splits, chunk): whole blocks a chunk, about _PROGRAMS programs in all (or `splits` a
+    row), within _MAX_SPLITS."""
     blocks = max(1, triton.cdiv(vocab, block))
     want = splits if splits is not None else triton.cdiv(_PROGRAMS, rows)
     per_chunk = triton.cdiv(blocks, max(1, min(want, blocks, _MAX_SPLITS)))
@@ -136,11 +103,9 @@ def gumbel_sample(
     _splits: int | None = None,
     _block: int = _BLOCK,
 ) -> torch.Tensor:
-    """One token per row of logits [rows, vocab] (any float dtype, last dim contiguous),
-    drawn from softmax(logits / temperature); temperatures [rows] > 0. int64 [rows].
-    A list of equal temperatures (the usual batch) travels as one float: no tensor, no copy.
-    _splits (chunks a row, at most) and _block (a power of two) are for tests and benchmarks:
-    they change the speed, never the token."""
+    """One token per row of logits [rows, vocab] (float, last dim contiguous), drawn from
+    softmax(logits / temperature), temperatures [rows] > 0: int64 [rows]; a ValueError for bad
+    shapes. _splits and _block (tests, benchmarks) change the speed, never the token."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("logits must be 2-D with a contiguous last dim")
     rows, vocab = logits.shape
@@ -169,7 +134,7 @@ def _launch(
     splits: int | None,
     block: int,
 ) -> None:
-    """Both passes; the scratch [rows, splits, 2] is allocated per call (a few KB)."""
+    """Both passes, with a scratch [rows, splits, 2] allocated per call (a few KB)."""
     rows, vocab = logits.shape
     block = min(block, max(4, triton.next_power_of_2(vocab)))
     splits, chunk = _split(rows, vocab, block, splits)

@@ -1,13 +1,6 @@
-"""Triton KV-cache store: scatter this step's K/V rows into their paged-cache slots.
-
-Contract (same as `model.attention.store_kv`): k, v [T, num_kv_heads, head_dim] are written to
-k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] at flat slot
-slot_mapping[t] = block * block_size + offset; rows whose slot is -1 (any negative value) are
-skipped, so padded rows of a CUDA graph write nowhere.
-
-Grid: (T,). One program copies one token's [num_kv_heads, head_dim] tile of both K and V. The
-grid depends only on T, so the launch is CUDA-graph capturable. Values are cast to the cache
-dtype on store.
+"""Triton KV-cache store, the contract of `model.attention.store_kv`: k, v [T, num_kv_heads,
+head_dim] go to flat slot slot_mapping[t] = block * block_size + offset of k_cache / v_cache,
+cast to the cache dtype; rows with a negative slot (padded CUDA-graph rows) write nowhere.
 """
 
 from __future__ import annotations
@@ -90,11 +83,8 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k, v [T, num_kv_heads, head_dim] into k_cache / v_cache at slot_mapping [T].
-
-    slot_mapping holds flat slots (int32 or int64); negative slots are skipped. k and v may be
-    strided views (e.g. slices of a fused QKV projection). Works in place, returns nothing.
-    """
+    """Write k, v [T, num_kv_heads, head_dim] (may be strided views) into k_cache / v_cache
+    at slot_mapping [T] (int32 or int64; negative slots skipped)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

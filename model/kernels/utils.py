@@ -8,7 +8,6 @@ LOG2E = 1.4426950408889634  # scores are kept in log2 units so the kernels can u
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: exact fp32 ("ieee") for float32 caches so fp32 results match
-    the torch reference (no TF32); the native tensor-core path ("tf32" is ignored for 16-bit
-    operands) otherwise."""
+    """tl.dot input precision: exact "ieee" for float32 (no TF32: results match torch's), the
+    native tensor-core path otherwise ("tf32" is ignored for 16-bit operands)."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -14,7 +14,14 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
-from tests.helpers.api import LiveServer, metric, sse_events, sse_json, wait_for  # noqa: E402
+from tests.helpers.api import (  # noqa: E402
+    LiveServer,
+    metric,
+    requests_total,
+    sse_events,
+    sse_json,
+    wait_for,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -472,7 +479,7 @@ def _blocks_used(server) -> float:
 
 
 def test_disconnect_frees_blocks(server, http, model):
-    assert wait_for(lambda: _blocks_used(server) == 0, 5)
+    assert wait_for(lambda: _blocks_used(server) == 0, 60)
     body = {
         "model": model,
         "prompt": PROMPT * 4,
@@ -483,10 +490,12 @@ def test_disconnect_frees_blocks(server, http, model):
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert wait_for(lambda: _blocks_used(server) > 0, 5)
+        assert wait_for(lambda: _blocks_used(server) > 0, 60)
     # the client is gone: the request is aborted and its blocks are free (stats come at 1 Hz)
-    assert wait_for(lambda: _blocks_used(server) == 0, 3), server.log_tail()
-    assert metric(server, "tapserve_api_requests_in_flight") == 0
+    assert wait_for(
+        lambda: metric(server, "tapserve_api_requests_in_flight") == _blocks_used(server) == 0,
+        60,
+    ), server.log_tail()
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(
             server.url + "/v1/completions",
@@ -494,8 +503,10 @@ def test_disconnect_frees_blocks(server, http, model):
             headers=server.headers,
             timeout=1.5,
         )
-    assert wait_for(lambda: _blocks_used(server) == 0, 3), server.log_tail()
-    assert metric(server, "tapserve_api_requests_in_flight") == 0
+    assert wait_for(  # (the last stats message may predate this request)
+        lambda: metric(server, "tapserve_api_requests_in_flight") == _blocks_used(server) == 0,
+        60,
+    ), server.log_tail()
 
 
 async def _one_stream(client: httpx.AsyncClient, model: str, max_tokens: int) -> dict:
@@ -538,7 +549,7 @@ def _concurrent_streams(server, model, count: int) -> None:
 
 def test_200_concurrent_streams(server, model):
     _concurrent_streams(server, model, 200)
-    assert wait_for(lambda: _blocks_used(server) == 0, 3)
+    assert wait_for(lambda: _blocks_used(server) == 0, 60)
 
 
 @pytest.mark.slow
@@ -559,7 +570,7 @@ def test_metrics_exported(server):
         timeout=60,
         json={"prompt": "Hi", "max_tokens": 1},
     ).raise_for_status()
-    assert wait_for(lambda: metric(server, "tapserve_custom_output_calls_total") > 0, 10)
+    assert wait_for(lambda: metric(server, "tapserve_custom_output_calls_total") > 0, 60)
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
     for name in (
         "tapserve_requests_total",
@@ -591,7 +602,8 @@ def test_token_latencies_per_choice_and_refusals_counted(server, http):
         "tapserve_time_to_first_token_seconds_count",
         "tapserve_inter_token_latency_seconds_count",
     )
-    before = metric(server, ttft), metric(server, itl)
+    e2e = "tapserve_e2e_request_latency_seconds_count"
+    before = metric(server, ttft), metric(server, itl), metric(server, e2e)
     body = {
         "model": "tapserve-demo",
         "prompt": PROMPT,
@@ -604,13 +616,22 @@ def test_token_latencies_per_choice_and_refusals_counted(server, http):
         sse_events(r)
     ttfts, gaps = metric(server, ttft) - before[0], metric(server, itl) - before[1]
     assert ttfts == 4 and 100 <= gaps <= 4 * 29, (ttfts, gaps)  # (merged deltas: fewer gaps)
+    # a request is counted once its handler has returned, which may be just after the
+    # client has read the whole response
+    served = before[2] + 1
+    assert wait_for(lambda: metric(server, e2e) == served, 60), metric(server, e2e)
     refused = 'tapserve_requests_total{endpoint="/v1/completions",status="401"}'
-    count = _labelled(server, refused)
-    e2e = "tapserve_e2e_request_latency_seconds_count"
-    served = metric(server, e2e)
-    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}).status_code == 401
-    assert http.post("/v1/completions", json={"prompt": "x", "n": 0}).status_code == 400
-    assert _labelled(server, refused) == count + 1
+    path = "/v1/completions"
+    counts = _labelled(server, refused), requests_total(server, "400", path)
+    assert httpx.post(server.url + path, json={"prompt": "x"}).status_code == 401
+    assert http.post(path, json={"prompt": "x", "n": 0}).status_code == 400
+    assert wait_for(
+        lambda: (
+            (_labelled(server, refused), requests_total(server, "400", path))
+            == (counts[0] + 1, counts[1] + 1)
+        ),
+        60,
+    )
     assert metric(server, e2e) == served  # refusals are not served requests' latencies
-    http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).raise_for_status()
-    assert metric(server, e2e) == served + 1
+    http.post(path, json={"prompt": "x", "max_tokens": 1}).raise_for_status()
+    assert wait_for(lambda: metric(server, e2e) == served + 1, 60)

@@ -26,11 +26,15 @@ def test_sigterm_drains_in_flight_and_answers_503(server, http):
     # (one choice of 1,500 tokens sometimes finished, and the stream ended on [DONE])
     body = {"prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True, "stream": True}
     short = {"prompt": PROMPT, "max_tokens": 1}
+
+    def refused() -> bool:  # (once the 2 s drain is over, the server is gone)
+        return http.post("/v1/completions", json=short).status_code == 503
+
     with http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)
         server.proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: http.post("/v1/completions", json=short).status_code == 503, 2)
+        assert wait_for(refused, 2, interval=0.02), server.log_tail()
         rest = [line[6:] for line in lines if line.startswith("data: ")]
     assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
     assert server.proc.wait(30) == 0, server.log_tail()
@@ -58,7 +62,9 @@ def test_a_second_signal_ends_the_drain_at_once():
                 lines = r.iter_lines()
                 next(lines)
                 server.proc.send_signal(signal.SIGINT)
-                time.sleep(0.2)  # no launcher here: no gap needed
+                # no launcher here: no gap needed, but the first must have been handled (two
+                # signals pending at once are one to Python)
+                assert wait_for(lambda: "draining for up to" in server.log_tail(), 60)
                 server.proc.send_signal(signal.SIGINT)
                 start = time.monotonic()
                 rest = [line[6:] for line in lines if line.startswith("data: ")]
@@ -99,16 +105,16 @@ def test_sigterm_to_the_api_process_drains_as_one_to_the_launcher():
     past uvicorn's own 5 s), the stream runs until --shutdown-timeout and ends with the error
     event, and launch.py exits 0 (it used to be uvicorn's shutdown: new connections refused,
     the stream cut after 5 s, and rank 0 exiting 1 on the API process's exit)."""
-    with _open_stream("--shutdown-timeout", "7") as (server, http, api, lines):
+    with _open_stream("--shutdown-timeout", "8") as (server, http, api, lines):
         os.kill(api, signal.SIGTERM)
         start = time.monotonic()
-        time.sleep(5.5)
+        time.sleep(5.5)  # past uvicorn's 5 s, 2.5 s before the drain ends
         short = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
         rest = [line[6:] for line in lines if line.startswith("data: ")]
         ended = time.monotonic() - start
         assert short.status_code == 503, short.text
         assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
-        assert 6 < ended < 20, ended  # the drain's 7 s, not uvicorn's 5
+        assert 7 < ended < 20, ended  # the drain's 8 s, not uvicorn's 5
         assert server.proc.wait(30) == 0, server.log_tail()
         assert "the API process got signal 15" in server.log_tail()
 
@@ -179,25 +185,29 @@ def test_a_wedged_rank0_cannot_hold_the_api_process():
     """Rank 0 stopped (SIGSTOP) never answers the drain request: a repeated SIGTERM, the
     engine silent for 3 s, stops the API process itself (it used to serve on for ever), and
     the open stream gets its final answer, the 503 error event, at once. Rank 0, going on,
-    finds the API process stopped during the drain and exits 0."""
+    finds the API process stopped during the drain (or its repeated signal) and exits 0."""
     with _open_stream() as (server, http, api, lines):
         rank0 = server.proc.pid
         os.kill(rank0, signal.SIGSTOP)
         try:
             os.kill(api, signal.SIGTERM)
-            time.sleep(3.5)
+            time.sleep(4)  # the engine silent for 3 s since this signal, with 1 s to spare
             assert not exited(api), "the first signal went to rank 0: the API serves on"
             os.kill(api, signal.SIGTERM)
             start = time.monotonic()
             rest = [line[6:] for line in lines if line.startswith("data: ")]
-            assert time.monotonic() - start < 3, "the stream was not answered at once"
+            # at once: no engine answers it (10 s leaves room for a loaded machine)
+            assert time.monotonic() - start < 10, "the stream was not answered at once"
             assert json.loads(rest[-1])["error"]["code"] == "503_SERVICE_UNAVAILABLE"
             assert wait_for(lambda: exited(api), 15), server.log_tail()
             assert "the engine has been silent" in server.log_tail()
         finally:
             os.kill(rank0, signal.SIGCONT)
         assert server.proc.wait(30) == 0, server.log_tail()
-        assert "stopped during the drain" in server.log_tail()
+        # rank 0 finds the API process gone during the drain or, when it reads the API's
+        # repeated drain request first (where SIGSTOP held it decides), stops at once on it
+        tail = server.log_tail()
+        assert "stopped during the drain" in tail or "again: stopping now" in tail, tail
 
 
 @contextlib.contextmanager
@@ -240,5 +250,5 @@ def test_rank0_stopping_before_the_api_process_connects_does_not_wait_for_it():
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0, server.log_tail()
-        assert time.monotonic() - start < 7, server.log_tail()
+        assert time.monotonic() - start < 9, server.log_tail()  # 2 s, not 10
         assert "has not connected; stopping it" in server.log_tail()

@@ -1,4 +1,4 @@
-"""Launcher flags outside testers misused (15th and 17th sessions): each is refused at start-up
+"""Launcher flags outside testers misused (15th and 2026-12-01s): each is refused at start-up
 with a clear message, before any rank or model loads (a --max-model-len the KV cache cannot
 hold: once the cache is sized); and the single-node launcher's ranks run one OpenMP thread
 each, as torchrun's do."""
@@ -92,7 +92,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
         (["--kv-cache-memory", "nan"], None, "kv_cache_memory must be a positive number"),
         (["--device", "foo"], None, "device must be cpu, cuda or cuda:N"),
         (["--port", "70000"], None, "--port must be in [0, 65535]"),
-        # found by an outside tester of the 20th session (advice to start 0 ranks; auto unnamed)
+        # found by an outside tester of 2026-12-01 (advice to start 0 ranks; auto unnamed)
         (["--tp", "0"], None, "--tp must be at least 1"),
         ([], {"TAPSERVE_API_KEY": "\udcff\udcfe"}, "is not valid UTF-8"),  # bytes ff fe
         (["--dtype", "foo"], None, "choose from ['auto', "),
@@ -102,7 +102,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
         (["--max-num-seqs", "0"], None, "max_num_seqs must be >= 1"),
         (["--max-num-batched-tokens", "0"], None, "max_num_batched_tokens must be >= 1"),
         (["--block-size", "0"], None, "block_size must be one of 8, 16, 32, 64, 128"),
-        # found by a reviewer of the 23rd session (after the ranks had started, or a traceback)
+        # found by a reviewer of 2026-12-06 (after the ranks had started, or a traceback)
         (["--block-size", "17"], None, "block_size must be one of 8, 16, 32, 64, 128"),
         (
             ["--prompt", "hi"],
@@ -110,7 +110,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
             "TAPSERVE_GEMV_MAX_ROWS must be an integer",
         ),
         (["--max-queued-requests", "-1"], None, "--max-queued-requests must be >= 0"),
-        # found by an outside tester of the 18th session (tracebacks, or errors only after loading)
+        # found by an outside tester of 2026-12-01 (tracebacks, or errors only after loading)
         (["--seed", str(2**70)], None, "seed must fit in 64 bits"),
         (["--api-key="], None, "is empty"),
         (["--api-key", "   "], None, "is empty"),
@@ -126,7 +126,7 @@ def test_chat_template_is_a_file_or_a_template(tmp_path):
             "cannot import custom module 'nosuchpkg.mod'",
         ),
         (["--model", "/nonexistent"], None, "model folder not found: /nonexistent"),
-        # found by an outside tester of the 24th session (the allocator's traceback; a million
+        # found by an outside tester of 2026-12-06 (the allocator's traceback; a million
         # thread pools built before start-up went on)
         (["--output-workers", "1000000"], None, "output_workers must be in [0, 64]"),
         (
@@ -205,9 +205,9 @@ def test_broken_checkpoints_and_modules_are_one_line_errors(tmp_path):
 
 def test_errors_every_rank_finds_alike_print_once_under_both_launchers(tmp_path):
     """Under torchrun and `--nproc-per-node 2`, a start-up error from the flags or the node's
-    files prints once (local rank 0's), with no traceback; an outside tester of the 24th
-    session found the argparse, chat-template and generation-config errors, and those of
-    reading the weights, printed by every rank (and two ranks' lines run together)."""
+    files prints once (local rank 0's), with no traceback; an outside tester found (2026-12-06)
+    the argparse, chat-template and generation-config errors, and those of reading the
+    weights, printed by every rank (and two ranks' lines run together)."""
     import json
     import shutil
 
@@ -349,44 +349,44 @@ def test_relative_paths_are_read_from_where_the_launch_ran(tmp_path):
 
     import httpx
 
-    from tests.helpers.api import free_port, wait_healthy
+    from tests.helpers.api import port_from_log, wait_healthy
     from tests.helpers.checkpoints import make_tiny_checkpoint
 
     make_tiny_checkpoint(tmp_path / "ckpt", "qwen3", tokenizer=True)
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}|{% endfor %}")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "launch.py"),
-            "--model",
-            "ckpt",
-            "--chat-template",
-            "t.jinja",
-            "--custom-module",
-            "none",
-            "--device",
-            "cpu",
-            "--port",
-            str(port),
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "launch.py"),
+                "--model",
+                "ckpt",
+                "--chat-template",
+                "t.jinja",
+                "--custom-module",
+                "none",
+                "--device",
+                "cpu",
+                "--port",
+                "0",  # (a port picked here could be taken before the server binds it)
+            ],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
-        assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120) == "healthy"
+        url = f"http://127.0.0.1:{port_from_log(log, proc, 120)}"
+        assert wait_healthy(url, proc, 120) == "healthy"
         r = httpx.post(
-            f"http://127.0.0.1:{port}/tokenize",
-            json={"messages": [{"role": "user", "content": "hi"}]},
+            url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60
         )
         assert r.status_code == 200 and "".join(r.json()["token_strs"]) == "hi|"
     finally:
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, out[-2000:]
+        proc.wait(60)
+    assert proc.returncode == 0, log.read_text()[-2000:]
 
 
 def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
@@ -418,7 +418,7 @@ def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
             "tensor-parallel size 3 is not a multiple of num_key_value_heads (2)",
         ),
         # every error the ranks find alike, before loading or once they agreed on the
-        # KV cache (an outside tester of the 24th session: each printed twice)
+        # KV cache (an outside tester of 2026-12-06: each printed twice)
         ("2", ["--block-size", "7"], "block_size must be one of"),
         ("2", ["--dtype", "float8"], "unknown dtype 'float8'"),
         ("2", ["--model", str(tmp_path / "gone")], "model folder not found"),
@@ -441,34 +441,30 @@ def test_a_layout_every_rank_refuses_is_reported_once(tmp_path):
     assert "alloc_cpu.cpp" not in proc.stderr, proc.stderr[-2000:]
 
 
-def test_port_0_logs_the_port_the_server_got():
+def test_port_0_logs_the_port_the_server_got(tmp_path):
     """--port 0 takes a port of the kernel's choice, and the API process's log names it (an
     outside tester: the log said http://127.0.0.1:0); an IPv6 host is written in brackets."""
-    import re
     import signal
 
     from tapserve.api.config import http_url
-    from tests.helpers.api import wait_healthy
+    from tests.helpers.api import port_from_log, wait_healthy
 
     assert http_url("::1", 8000) == "http://[::1]:8000"
     assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "--device", "cpu", "--port", "0"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    found = None
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:  # (the API process logs to the same stream)
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--device", "cpu", "--port", "0"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     try:
-        for line in proc.stdout:  # (the API process logs to the same stream)
-            found = re.search(r"API listening on (http://127\.0\.0\.1:(\d+))", line)
-            if found:
-                break
-        assert found and int(found[2]) != 0
-        assert wait_healthy(found[1], proc, 120) == "healthy"
+        port = port_from_log(log, proc, 120)  # read as it is written, for at most 120 s
+        assert port != 0
+        assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120) == "healthy"
     finally:
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 0, out[-2000:]
+        proc.wait(60)
+    assert proc.returncode == 0, log.read_text()[-2000:]

@@ -66,7 +66,7 @@ def test_other_selector_exception_is_606(llm) -> None:
 
 def test_handler_objects_that_cannot_be_printed_fail_only_their_requests(llm) -> None:
     """An exception whose str() raises, or a returned object whose repr() raises, once
-    ended the server while its error message was written (16th session's tester): now the
+    ended the server while its error message was written (2026-11-30's tester): now the
     request fails alone, the others are served."""
     handler = llm.engine.handler
     r = run(
@@ -268,7 +268,7 @@ def test_module_handler_with_grad_parameters(ckpt, ref) -> None:
 
 
 class _ExitingHandler:
-    """Raises what a handler must not bring the server down with (15th session's tester)."""
+    """Raises what a handler must not bring the server down with (2026-11-30's tester)."""
 
     def __init__(self, error: BaseException):
         self.error = error

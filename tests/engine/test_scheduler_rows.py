@@ -1,5 +1,5 @@
 """--max-num-seqs bounds every step's rows, forks included, and what the scheduler reports
-after a preemption (found by an outside reviewer, 18th session).
+after a preemption (found by an outside reviewer, 2026-12-01).
 
 A request of n samples or of beams is admitted as its one prompt sequence and forks later; it
 used to count as one row at admission, so its forks took batches past max_num_seqs (on CUDA

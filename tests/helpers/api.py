@@ -2,10 +2,11 @@
 `pytest_plugins = ["tests.helpers.api"]`, so all API test modules of a pytest process share
 one live server).
 
-The server is the real one: `python launch.py --port P ...` (CPU, embedded demo model) in a
-subprocess, ready when /health answers; it runs with an API key, `--max-queued-requests 0`
-(so the 257th concurrent request gets 503 with the default 256 running sequences),
-`--shutdown-timeout 2`, and `CrashyHead`: the demo head (same values) that fails on request.
+The server is the real one: `python launch.py --port 0 ...` (CPU, embedded demo model) in a
+subprocess, its port read from its log, ready when /health answers; it runs with an API key,
+`--max-queued-requests 0` (so the 257th concurrent request gets 503 with the default 256
+running sequences), `--shutdown-timeout 2`, and `CrashyHead`: the demo head (same values)
+that fails on request.
 A test that stops the server leaves the pool to start a fresh one for the next test.
 """
 
@@ -29,13 +30,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
+    """A port free now. Another process may take it before a server binds it: a server that
+    can, should start with `--port 0` and be found by `port_from_log`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class LiveServer:
-    """`python launch.py --port P --device DEVICE *args` in its own session; logs to a temp
+    """`python launch.py --port 0 --device DEVICE *args` in its own session; logs to a temp
     file. Ready (/health answers) when built, unless wait_ready is False."""
 
     def __init__(
@@ -46,13 +49,15 @@ class LiveServer:
         device: str = "cpu",
         wait_ready: bool = True,
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="tapserve-api-test-", suffix=".log", delete=False
         )
-        argv = [sys.executable, "launch.py", "--port", str(self.port), "--device", device, *args]
+        self._port: int | None = None
+        self._startup_timeout = startup_timeout
+        # --port 0: the API process binds a port of the kernel's choice and logs it (a port
+        # picked here and bound seconds later could be taken meanwhile by a parallel test)
+        argv = [sys.executable, "launch.py", "--port", "0", "--device", device, *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("TAPSERVE_API_KEY", None)
         if api_key:  # as the docs advise: off every command line
@@ -69,6 +74,17 @@ class LiveServer:
             self._wait_ready(startup_timeout)
 
     @property
+    def port(self) -> int:
+        """The port the API process listens on (waits for its log line the first time)."""
+        if self._port is None:
+            self._port = port_from_log(Path(self.log.name), self.proc, self._startup_timeout)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
@@ -76,7 +92,13 @@ class LiveServer:
         return Path(self.log.name).read_text(errors="replace")[-chars:]
 
     def _wait_ready(self, timeout: float) -> None:
-        state = wait_healthy(self.url, self.proc, timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            url = self.url
+        except RuntimeError:
+            self.stop()
+            raise
+        state = wait_healthy(url, self.proc, max(deadline - time.monotonic(), 1.0))
         if state == "exited":
             raise RuntimeError(f"launch.py exited with {self.proc.returncode}:\n{self.log_tail()}")
         if state == "timeout":
@@ -96,6 +118,25 @@ class LiveServer:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)
         return self.proc.returncode
+
+
+def port_from_log(log: Path, proc: subprocess.Popen, timeout: float) -> int:
+    """The port of the API process's "API listening on http://127.0.0.1:PORT" line in `log`
+    (a server started with --port 0); RuntimeError if proc exits or the line never comes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.search(
+            r"API listening on http://127\.0\.0\.1:(\d+)", log.read_text("utf-8", "replace")
+        )
+        if found:
+            return int(found[1])
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"launch.py exited with {proc.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"no 'API listening on' line after {timeout} s:\n{tail}")
+        time.sleep(0.1)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, interval: float = 0.3) -> str:

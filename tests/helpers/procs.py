@@ -59,11 +59,17 @@ def exited(pid: int) -> bool:
         return True
 
 
+def is_api_process(argv: list[str]) -> bool:
+    """The API process's command line: `python -P <checkout>/api/server.py ...` (rank 0
+    starts it by file path) or `python -m tapserve.api.server ...`."""
+    return any(a.endswith("/api/server.py") or a.endswith("api.server") for a in argv)
+
+
 def api_pid(rank0: int) -> int:
-    """The API process (`python -m api.server`) started by rank 0."""
+    """The API process started by rank 0."""
     for pid in children(rank0):
         try:
-            if "api.server" in cmdline(pid):
+            if is_api_process(cmdline(pid)):
                 return pid
         except OSError:
             continue

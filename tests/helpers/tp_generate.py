@@ -16,7 +16,8 @@ torch.set_num_threads(1)
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
 from tapserve.api.wire import RequestOutput  # noqa: E402
-from tapserve.coordinator.config import EngineConfig, rank0_engine, stop_group  # noqa: E402
+from tapserve.coordinator.config import EngineConfig  # noqa: E402
+from tapserve.coordinator.startup import rank0_engine, stop_group  # noqa: E402
 
 
 def main(spec_file: str, out_file: str) -> None:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tapserve.ranks.local_group import STORE_ENV
-from tests.helpers.api import free_port, wait_healthy
+from tests.helpers.api import port_from_log, wait_for, wait_healthy
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.procs import descendants, exited
 
@@ -29,8 +29,7 @@ class TorchrunServer:
     `launch.py --nproc-per-node 2` (ranks/local_group.py)."""
 
     def __init__(self, model: Path, tmp: Path, local: bool = False, shutdown_timeout: int = 2):
-        self.port, self.local = free_port(), local
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.local = local
         self.log = open(tmp / "torchrun.log", "w+")
         launcher = (
             ["launch.py", "--nproc-per-node", "2"]
@@ -45,7 +44,7 @@ class TorchrunServer:
             "--device",
             "cpu",
             "--port",
-            str(self.port),
+            "0",  # the API process logs the port it got (none can be taken meanwhile)
             "--shutdown-timeout",
             str(shutdown_timeout),
             "--custom-module",
@@ -59,6 +58,13 @@ class TorchrunServer:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             start_new_session=True,
         )
+        try:
+            self.port = port_from_log(Path(self.log.name), self.proc, 180)
+        except RuntimeError:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        self.url = f"http://127.0.0.1:{self.port}"
         state = wait_healthy(self.url, self.proc, 180, interval=0.5)
         assert state != "exited", self.tail()
         assert state == "healthy", "torchrun group not healthy:\n" + self.tail()
@@ -124,10 +130,9 @@ def test_idle_pair_stays_healthy_then_dead_rank_ends_group(server):
 def test_sigterm_ends_every_rank_when_idle(server):
     ranks = [server.rank_pid(0), server.rank_pid(1)]
     server.proc.send_signal(signal.SIGTERM)
-    _, waited = server.wait_exit(10)
-    assert waited < 10, server.tail()
-    time.sleep(0.5)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), server.tail()
+    _, waited = server.wait_exit(25)  # (a rank waiting on its peer would take 30 s)
+    assert waited < 25, server.tail()
+    assert wait_for(lambda: all(exited(pid) for pid in ranks), 30), server.tail()
 
 
 def test_killed_launcher_takes_the_group_down(server):
@@ -174,10 +179,9 @@ def test_local_group_killed_rank0_leaves_no_ipc_directory(tmp_path):
         rc, waited = server.wait_exit(30)
         assert rc != 0 and waited < 30, server.tail()
         assert not group_dir.exists()
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in group):
-            time.sleep(0.2)
-        assert not [p for p in group if Path(f"/proc/{p}").exists()], "orphans left"
+        assert wait_for(lambda: all(exited(p) for p in group), 60, interval=0.2), [
+            p for p in group if not exited(p)
+        ]  # orphans left
     finally:
         if server.proc.poll() is None:
             os.killpg(server.proc.pid, signal.SIGKILL)
@@ -244,13 +248,18 @@ def test_torchrun_sigterm_drains_streams_and_answers_503(tmp_path):
         # the API keeps listening while the ranks drain (past uvicorn's own 5 s drain when
         # the streams last that long; on a fast machine they may all end sooner)
         while time.monotonic() < deadline and any(s.thread.is_alive() for s in streams):
-            answers.append(
-                httpx.post(
-                    server.url + "/v1/completions",
-                    timeout=30,
-                    json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 1},
-                ).status_code
-            )
+            try:
+                answers.append(
+                    httpx.post(
+                        server.url + "/v1/completions",
+                        timeout=30,
+                        json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 1},
+                    ).status_code
+                )
+            except httpx.TransportError:  # refused: only once the streams had their ends
+                for s in streams:
+                    s.result(10)
+                break
             time.sleep(0.25)
         assert answers and answers[-1] == 503 and set(answers) <= {200, 503}, (
             answers,
@@ -304,14 +313,19 @@ def test_hung_rank_ends_group_within_a_peer_timeout(tmp_path):
         (stream,) = _streams_in_flight(server, 1, 1000)  # of the 1024 the model takes
         os.kill(rank1, signal.SIGSTOP)
         stopped = time.monotonic()
-        time.sleep(11)  # past /health's 10 s
+
+        def unhealthy() -> bool:  # once the engine has been silent for 10 s
+            return httpx.get(server.url + "/health", timeout=10).status_code == 503
+
+        assert wait_for(unhealthy, 25, interval=0.2), server.tail()
         start = time.monotonic()
         r = httpx.post(
             server.url + "/v1/completions",
             timeout=30,
             json={"model": "ckpt", "prompt": [1, 2, 3], "max_tokens": 1},
         )
-        assert r.status_code == 503 and time.monotonic() - start < 3, (r.text, server.tail())
+        # (not held for the engine timeout, 300 s)
+        assert r.status_code == 503 and time.monotonic() - start < 10, (r.text, server.tail())
         events, error = stream.result(60)
         assert error is None and '"503_SERVICE_UNAVAILABLE"' in events[-1], (error, events[-1:])
         while not exited(rank0) and time.monotonic() - stopped < 60:

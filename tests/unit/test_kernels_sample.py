@@ -300,11 +300,11 @@ def test_sample_wide_rows_gpu() -> None:
 def test_engine_batch_draw_takes_the_kernel() -> None:
     """The sampler's temperature-only path runs the kernel on CUDA, and its draws follow
     softmax(x / T) there too."""
-    from tapserve.api.sampling_params import SamplingParams
+    from tapserve.api.sampling_params import BatchDraw, SamplingParams
     from tapserve.coordinator.sampler import Sampler
 
     sampler = Sampler(0, "cuda")
-    assert SamplingParams(temperature=0.8).temperature_only
+    assert SamplingParams(temperature=0.8).batch_draw is BatchDraw.TEMPERATURE
     temps = [0.8] * 50_000
     logits = torch.tensor([0.0, 1.0, 2.0], device="cuda").repeat(50_000, 1)
     got = torch.tensor(sampler.sample_temperature(logits, temps))

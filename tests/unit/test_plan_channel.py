@@ -5,7 +5,6 @@ place or not."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
@@ -51,9 +50,9 @@ def _equal(a: StepPlan, b: StepPlan) -> bool:
     )
 
 
-def _rank(rank: int, port: int, laid_out: bool, results, spin_s: float = 0.0) -> None:
+def _rank(rank: int, store: str, laid_out: bool, results, spin_s: float = 0.0) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     calls = []
     real_broadcast = dist.broadcast
 
@@ -88,14 +87,14 @@ def _rank(rank: int, port: int, laid_out: bool, results, spin_s: float = 0.0) ->
     [(False, 0.0), (True, 0.0), (True, 0.005)],
     ids=["encoded", "laid-out", "laid-out-polled"],
 )
-def test_plans_of_changing_size_one_broadcast_when_they_fit(laid_out: bool, spin_s: float) -> None:
+def test_plans_of_changing_size_one_broadcast_when_they_fit(
+    laid_out: bool, spin_s: float, tmp_path
+) -> None:
     """(polled: rank 1 polls for each plan up to 5 ms before it blocks, as on CUDA)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = str(tmp_path / "store")  # a file store: no TCP port to pick and lose to a race
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, laid_out, results, spin_s), nprocs=2)
+        mp.spawn(_rank, args=(store, laid_out, results, spin_s), nprocs=2)
         results = dict(results)
     assert results[1]["intact"] == [True] * len(SHAPES)
     assert results[0]["counts"] == results[1]["counts"] == EXPECTED_BROADCASTS
