@@ -107,7 +107,7 @@ class ApiConfig:
         )
 
     def to_argv(self) -> list[str]:
-        """Command-line arguments for `python -m api.server` (writes the API key file)."""
+        """Command-line arguments for `api/server.py` (writes the API key file)."""
         argv: list[str] = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -147,7 +147,7 @@ class ApiConfig:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m api.server", description="tapserve API process (started by rank 0)"
+        prog="api/server.py", description="tapserve API process (started by rank 0)"
     )
     defaults = {f.name: f.default for f in fields(ApiConfig)}
     p.add_argument("--ipc-dir", required=True)
