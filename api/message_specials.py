@@ -38,6 +38,7 @@ class MessageSpecials:
         added = {t.content: t for t in tokenizer.get_added_tokens_decoder().values() if t.special}
         self.added = added
         self.texts = sorted(added, key=len, reverse=True)  # longest first, as a regex tries
+        self.index = {text: i for i, text in enumerate(self.texts)}
         self.pattern = re.compile("|".join(map(re.escape, self.texts))) if added else None
 
     def mark(self, messages: list[dict], template: str) -> tuple[list[dict], str | None]:
@@ -49,10 +50,9 @@ class MessageSpecials:
             return messages, None
         seen = template + "".join(c for c in contents if isinstance(c, str))
         marker = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen)
-        index = {text: i for i, text in enumerate(self.texts)}
 
         def marked(match: re.Match) -> str:
-            return f"{marker}{index[match.group()]}{marker}"
+            return f"{marker}{self.index[match.group()]}{marker}"
 
         return [
             {**m, "content": self.pattern.sub(marked, m["content"])}

@@ -384,8 +384,9 @@ def build_router() -> APIRouter:
         # read here, not by FastAPI: a large body is parsed in a worker thread (token_list.py)
         state, raw = _state(request), await request.body()
         content_type = request.headers.get("content-type")
-        if len(raw) <= OFF_LOOP_BODY_BYTES:
-            return token_list.detokenize(state, raw, content_type, fast=False)
-        return await asyncio.to_thread(token_list.detokenize, state, raw, content_type, fast=True)
+        fast = len(raw) > OFF_LOOP_BODY_BYTES  # (the bodies AppState.prepare takes off the loop)
+        return await state.prepare(
+            request, lambda: token_list.detokenize(state, raw, content_type, fast)
+        )
 
     return router

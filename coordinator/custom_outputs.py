@@ -3,7 +3,6 @@ the handler once per step on the selected rows (one device-to-host copy per step
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from tapserve.model.custom_output import (
     HandlerLoadError,
     check_labels,
     check_output,
+    closest_name,
     describe,
     describe_error,
     load_handler_class,
@@ -137,9 +137,9 @@ def _missing_weights_message(
         lines.append("  no <module_stem>.safetensors: the handler class has no source file")
     every = sorted({k for keys in held.values() for k in keys})
     for name in missing:
-        close = difflib.get_close_matches(name, every, n=1, cutoff=0.6)
+        close = closest_name(name, every)
         lines.append(
-            f"  closest to {name!r}: {close[0]!r}" if close else f"  nothing close to {name!r}"
+            f"  closest to {name!r}: {close!r}" if close else f"  nothing close to {name!r}"
         )
     return "\n".join(lines)
 

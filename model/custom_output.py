@@ -198,7 +198,7 @@ def load_handler_class(spec: str) -> type:
             classes = [c.__name__ for c in _own_classes(module)]
             raise HandlerLoadError(
                 f"{target} has no class {class_name!r}; the classes it defines: {classes}"
-                + _closest(class_name, classes)
+                + _did_you_mean(class_name, classes)
             )
         return getattr(module, class_name)
     found = [c for c in _own_classes(module) if _looks_like_handler(c)]
@@ -243,22 +243,18 @@ def _own_classes(module: object) -> list[type]:
     ]
 
 
-def _closest(name: str, names: list[str]) -> str:
-    """' (did you mean X?)' for the closest of names, or ''."""
+def closest_name(name: str, names: list[str]) -> str | None:
+    """The closest of names to name (difflib's), or None."""
     close = difflib.get_close_matches(name, names, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def _did_you_mean(name: str, names: list[str]) -> str:
+    close = closest_name(name, names)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def _looks_like_handler(cls: type) -> bool:
     return callable(getattr(cls, "select_token_position", None)) and callable(
         getattr(cls, "forward", None)
     )
-
-
-def module_weights_file(spec: str) -> Path | None:
-    """<module_stem>.safetensors beside a file-path module, if any."""
-    target = spec.partition(":")[0]
-    if target.endswith(".py"):
-        candidate = Path(target).with_suffix(".safetensors")
-        return candidate if candidate.is_file() else None
-    return None

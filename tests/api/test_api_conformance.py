@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
-from tests.helpers.api import requests_total, sse_events, sse_json, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.helpers.api import requests_total, sse_events, sse_json  # noqa: E402
 
 pytest_plugins = ["tests.helpers.api"]
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tapserve.api.token_list import DETOKENIZE_MAX_BODY_BYTES, split_token_list
+from tests.helpers import wait_for
 
 pytest_plugins = ["tests.helpers.api"]
 STALL_BOUND_S = 0.3  # what a /detokenize body under the cap may add to a stream's gaps
@@ -101,13 +102,13 @@ def test_large_detokenize_does_not_stall_streams(server, http):
 def _detokenize_beside_a_stream(server, http, raw: bytes) -> tuple[httpx.Response, list[str]]:
     """The big request's answer, and what its window broke of the stall bounds."""
     with Probe(server) as probe:
-        assert _wait(lambda: len(probe.events) >= 3 and len(probe.health) >= 3)
+        assert wait_for(lambda: len(probe.events) >= 3 and len(probe.health) >= 3, 60, 0.01)
         baseline_start = time.monotonic()
         time.sleep(WINDOW_S)  # a measuring window (the stream and the probe alone)
         start = time.monotonic()
         answer = http.post("/detokenize", content=raw, headers={"Content-Type": "application/json"})
         end = time.monotonic()
-        assert _wait(lambda: probe.health and probe.health[-1][0] > end)
+        assert wait_for(lambda: probe.health and probe.health[-1][0] > end, 60, 0.01)
         running = len([t for t in probe.events if start < t < end])
         baseline = probe.worst(baseline_start, start)
         during = probe.worst(start, end)
@@ -130,15 +131,6 @@ def _detokenize_beside_a_stream(server, http, raw: bytes) -> tuple[httpx.Respons
     if gap > base + 1.0:
         problems.append(f"stream gap: {gap:.3f} s (baseline {base:.3f} s)")
     return answer, problems
-
-
-def _wait(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_detokenize_over_the_cap_is_413(http):

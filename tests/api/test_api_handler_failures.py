@@ -16,7 +16,8 @@ import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
 from tapserve.coordinator.handler_failures import LOG_INTERVAL_SECONDS  # noqa: E402
-from tests.helpers.api import LiveServer, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.helpers.api import LiveServer  # noqa: E402
 
 STRICT_HEAD = '''
 from tapserve.model.demo import DemoHead

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
-from tests.helpers.api import API_KEY, metric, sse_events, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.helpers.api import API_KEY, metric, sse_events  # noqa: E402
 
 pytest_plugins = ["tests.helpers.api"]
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -13,7 +13,7 @@ import time
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
-from tests.helpers.api import wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
 from tests.helpers.procs import exited  # noqa: E402
 
 pytest_plugins = ["tests.helpers.api"]

@@ -259,7 +259,8 @@ def test_a_live_server_running_ahead_streams_the_synchronous_tokens(demo_dir, ra
     import httpx
     import openai
 
-    from tests.helpers.api import LiveServer, metric, wait_for
+    from tests.helpers import wait_for
+    from tests.helpers.api import LiveServer, metric
 
     prompts = random_prompts([5 + 3 * i for i in range(16)], 1000, seed=18)
     lengths = [4 + 3 * i for i in range(16)]

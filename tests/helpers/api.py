@@ -186,15 +186,6 @@ def requests_total(server: LiveServer, status: str, endpoint: str = '[^"]*') -> 
     )
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
 # ---- shared fixtures -------------------------------------------------------------------------
 API_KEY = "test-key-1234"
 CRASHY_HEAD = '''

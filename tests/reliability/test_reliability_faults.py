@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
-from tests.helpers.api import LiveServer, metric, requests_total, wait_for  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.helpers.api import LiveServer, metric, requests_total  # noqa: E402
 from tests.helpers.procs import api_pid  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tapserve.ranks.local_group import STORE_ENV
-from tests.helpers.api import port_from_log, wait_for, wait_healthy
+from tests.helpers import wait_for
+from tests.helpers.api import port_from_log, wait_healthy
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.procs import descendants, exited
 

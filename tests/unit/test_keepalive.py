@@ -9,6 +9,7 @@ import threading
 import time
 
 from tapserve.coordinator.keepalive import PlanKeepalive
+from tests.helpers import wait_for
 
 
 class _Channel:
@@ -37,22 +38,13 @@ def _keepalive(channel: _Channel, period: float) -> PlanKeepalive:
     return PlanKeepalive(channel.heartbeat, lambda: channel.last_sent, period)
 
 
-def _wait_until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_heartbeats_only_while_busy():
     channel = _Channel()
     keepalive = _keepalive(channel, 0.05)
     time.sleep(0.2)
     assert channel.times == []  # idle: the loop's own heartbeats, not these
     with keepalive.busy():
-        assert _wait_until(lambda: len(channel.times) >= 3), channel.times
+        assert wait_for(lambda: len(channel.times) >= 3, 60, interval=0.005), channel.times
     during = len(channel.times)
     gaps = [b - a for a, b in zip(channel.times, channel.times[1:])]
     assert min(gaps) > 0.05 - 1e-6, gaps  # timed from the last plan: one per 50 ms at most
@@ -92,7 +84,7 @@ def test_a_failing_heartbeat_stops_the_heartbeats_quietly():
     channel = _Channel(fail=True)
     keepalive = _keepalive(channel, 0.02)
     with keepalive.busy():  # the first heartbeat fails; busy() itself raises nothing
-        assert _wait_until(lambda: channel.attempts == 1)
+        assert wait_for(lambda: channel.attempts == 1, 60, interval=0.005)
     channel.fail = False
     with keepalive.busy():
         time.sleep(0.1)
