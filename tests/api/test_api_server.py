@@ -14,13 +14,13 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("tests.helpers.api")
+from tests.helpers import wait_for  # noqa: E402
 from tests.helpers.api import (  # noqa: E402
     LiveServer,
     metric,
     requests_total,
     sse_events,
     sse_json,
-    wait_for,
 )
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
