@@ -36,7 +36,7 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 from tapserve import checkout_entry
 from tapserve.api.config import http_url
 from tapserve.api.tokenizer import UnencodableTextError, check_unicode, names_a_file
-from tapserve.coordinator.config import EngineConfig, check_model
+from tapserve.coordinator.config import DEFAULT_MAX_CUSTOM_OUTPUT_BYTES, EngineConfig, check_model
 from tapserve.coordinator.custom_outputs import RequestError
 from tapserve.model.custom_output import HandlerLoadError, names_a_module_file
 from tapserve.ranks.local_group import STORE_ENV, is_local_rank, run_local_group
@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a("--custom-output-reuse", default="omit", choices=["omit", "recompute"])
     a("--output-workers", type=int, default=0, help="custom-output dispatch threads (0 = serial)")
+    a(
+        "--max-custom-output-bytes",
+        type=int,
+        default=DEFAULT_MAX_CUSTOM_OUTPUT_BYTES,
+        help="a multi-row selection's most custom-output bytes per request (rows x row bytes "
+        "x max(n, beams)); more is a 605",
+    )
     a("--block-size", type=int, default=16)
     a("--kv-cache-memory", type=float, help="GiB of KV cache per rank (CPU default: 2)")
     a("--gpu-memory-utilization", type=float, default=0.9)
@@ -210,6 +217,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         custom_module=custom,
         custom_output_reuse=args.custom_output_reuse,
         output_workers=args.output_workers,
+        max_custom_output_bytes=args.max_custom_output_bytes,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         async_scheduling=args.async_scheduling,

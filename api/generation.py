@@ -3,6 +3,8 @@
 Prompt p's sequence i is the client's choice `p * n + i`. A choice cut by a stop string
 ignores later tokens, and a prompt whose choices are all cut is aborted (with
 `engine_stop_strings` it waits for the final output instead). Engine errors raise EngineError.
+A multi-row custom output (api/custom_rows.py) reaches each choice as its prompt's rows, then
+the rows of the tokens it keeps, and for "content_filter" the flagged token's row.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tapserve.api import wire
+from tapserve.api.custom_rows import Rows, client_fields, join
 from tapserve.api.detokenizer import (
     IncrementalDetokenizer,
     StopChecker,
@@ -37,6 +40,9 @@ class ChoiceDelta:
     text_offsets: list[int] = field(default_factory=list)  # each token's, in the choice's text
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as Choice.stop_reason, once finished
+    # multi-row custom outputs: the prompt's rows not yet handed to this choice, then the rows
+    # of token_ids (and of a "content_filter" choice's flagged token); None for a one-row value
+    rows: Rows | None = None
 
 
 @dataclass
@@ -54,7 +60,14 @@ class Choice:
     offsets: list[int] = field(default_factory=list)  # each token's text_offset, uncut
     offset_counter: TextOffsets = field(default_factory=TextOffsets)
     custom_output: dict | None = None  # the sequence's own value (LAST_GENERATED)
+    rows: Rows = field(default_factory=Rows)  # its own rows of a multi-row selection
+    prompt_rows_taken: int = 0  # the prompt's rows handed out in this choice's deltas
     _encoded: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Its tokens in `usage`: those delivered, and a "content_filter" choice's flagged one."""
+        return len(self.token_ids) + (self.finish_reason == "content_filter")
 
     @property
     def text(self) -> str:
@@ -70,8 +83,25 @@ class Choice:
         """Where each token's text begins in self.text, at most its end."""
         return [min(offset, len(self.text)) for offset in self.offsets]
 
+    def value_fields(self, encoding: str) -> dict:
+        """`custom_output` (and, multi-row, `custom_output_positions`) as sent; {} if absent."""
+        if not self.prompt.multi_row:
+            value = self.encoded_value(encoding)
+            return {} if value is None else {"custom_output": value}
+        key = (encoding, len(self.prompt.rows), len(self.rows))
+        if key not in self._encoded:
+            self._encoded.clear()  # rows came since: older encodings are stale
+            self._encoded[key] = client_fields(join([self.prompt.rows, self.rows]), encoding)
+        return self._encoded[key]
+
+    def take_prompt_rows(self) -> Rows:
+        """The prompt's rows this choice has not handed out yet (marked handed out)."""
+        rows = self.prompt.rows.since(self.prompt_rows_taken)
+        self.prompt_rows_taken = len(self.prompt.rows)
+        return rows
+
     def encoded_value(self, encoding: str) -> Any:
-        """The choice's value as sent to clients, its own or else its prompt's (None if absent)."""
+        """The one-row value as sent to clients, its own or else its prompt's (None if absent)."""
         if self.custom_output is None:
             return self.prompt.encoded_value(encoding)
         if encoding not in self._encoded:
@@ -91,14 +121,31 @@ class PromptState:
     custom_output_omitted: str | None = None
     num_cached_tokens: int = 0
     engine_finished: bool = False
+    rows: Rows = field(default_factory=Rows)  # a multi-row selection's prompt rows
+    multi_row: bool = False  # rows of a multi-row selection came (prompt or sequence rows)
     _encoded: dict[str, Any] = field(default_factory=dict)  # encoding -> client value
 
     def set_custom_output(self, value: dict) -> None:
         if value != self.custom_output:
             self.custom_output, self._encoded = value, {}
 
+    def add_rows(self, value: dict | None, positions: list[int] | None) -> Rows | None:
+        """A wire delta of rows (prompt's or a sequence's) as Rows, marking the prompt
+        multi-row; None when the output has none."""
+        if value is None and positions is None:
+            return None
+        self.multi_row = True
+        return Rows.from_wire(value, positions)
+
+    def value_fields(self, encoding: str) -> dict:
+        """The value of a choice not started yet, as Choice.value_fields."""
+        if self.multi_row:
+            return client_fields(self.rows, encoding)
+        value = self.encoded_value(encoding)
+        return {} if value is None else {"custom_output": value}
+
     def encoded_value(self, encoding: str) -> Any:
-        """The custom output as sent to clients (None when absent), encoded once."""
+        """The one-row custom output as sent to clients (None when absent), encoded once."""
         if self.custom_output is None:
             return None
         if encoding not in self._encoded:
@@ -134,6 +181,7 @@ def _merge(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
         m.logprobs += d.logprobs
         m.top_logprobs += d.top_logprobs
         m.text_offsets += d.text_offsets
+        m.rows = join([m.rows, d.rows]) if d.rows else m.rows
         m.finish_reason = d.finish_reason or m.finish_reason
         m.stop_reason = d.stop_reason if d.finish_reason else m.stop_reason
     return [merged[i] for i in sorted(merged)]
@@ -172,6 +220,9 @@ class Generation:
             state.set_custom_output(out.custom_output)
         state.num_cached_tokens = out.num_cached_tokens or state.num_cached_tokens
         state.custom_output_omitted = out.custom_output_omitted or state.custom_output_omitted
+        prompt_rows = state.add_rows(out.custom_rows, out.custom_positions)
+        if prompt_rows is not None:
+            state.rows.extend(prompt_rows)
         deltas = [self._apply_sequence(state, s) for s in out.sequences]
         deltas = [d for d in deltas if d is not None]
         if out.finished:
@@ -229,15 +280,35 @@ class Generation:
             choice.finish_reason = "stop"  # cut by a stop string: its value (if any) is dropped
         elif seq.finish_reason:  # with engine_stop_strings, also a cut choice's final output
             choice.custom_output = seq.custom_output
-            choice.detok.finish()
+            if seq.finish_reason == "content_filter":  # the flagged token has no text
+                choice.detok.drop_held()
+            else:
+                choice.detok.finish()
             choice.finish_reason = "stop" if choice.detok.stopped else seq.finish_reason
         if choice.finish_reason == "stop":
             choice.stop_reason = self._stop_reason(choice, p)
         delta.finish_reason, delta.stop_reason = choice.finish_reason, choice.stop_reason
+        delta.rows = self._take_rows(state, choice, seq)
         if choice.finish_reason:  # the final text may hold less (held bytes dropped, a cut)
             delta.text_offsets = [min(o, len(choice.text)) for o in delta.text_offsets]
         delta.text = choice.detok.take_delta(final=choice.finish_reason is not None)
         return delta
+
+    def _take_rows(
+        self, state: PromptState, choice: Choice, seq: wire.SequenceOutput
+    ) -> Rows | None:
+        """The delta's rows: the prompt's not handed out yet, then those of tokens the choice
+        kept (a token cut with a stop string loses its row) and a flagged token's."""
+        new = state.add_rows(seq.custom_rows, seq.custom_positions)
+        if not state.multi_row:
+            return None
+        if new is None:
+            return choice.take_prompt_rows()
+        start, end = len(state.prompt_ids), len(state.prompt_ids) + len(choice.token_ids)
+        flagged = end if choice.finish_reason == "content_filter" else -1
+        kept = new.select(lambda q: start <= q < end or q == flagged)
+        choice.rows.extend(kept)
+        return join([choice.take_prompt_rows(), kept])
 
     def _open_prompt_bytes(self, prompt_ids: list[int], p: SamplingParams) -> bytes:
         """The bytes of a character the prompt leaves unfinished (b"" without logprobs)."""
@@ -269,7 +340,10 @@ class Generation:
                 choice.finish_reason = "length"
                 deltas.append(
                     ChoiceDelta(
-                        choice.index, text=choice.detok.take_delta(True), finish_reason="length"
+                        choice.index,
+                        text=choice.detok.take_delta(True),
+                        finish_reason="length",
+                        rows=choice.take_prompt_rows(),
                     )
                 )
         return deltas
@@ -306,11 +380,20 @@ class Generation:
                 return prompt
         raise KeyError(index)
 
-    def choice_value(self, index: int, encoding: str) -> Any:
-        """Client choice `index`'s encoded custom output (None when absent)."""
+    def value_fields(self, index: int, encoding: str) -> dict:
+        """Client choice `index`'s whole value as sent: `custom_output` (and, multi-row,
+        `custom_output_positions`); {} when absent."""
         prompt = self.prompt_of(index)
         choice = prompt.choices.get(index - prompt.first_index)
-        return choice.encoded_value(encoding) if choice else prompt.encoded_value(encoding)
+        return (choice or prompt).value_fields(encoding)
+
+    def delta_fields(self, index: int, rows: Rows | None, encoding: str) -> dict:
+        """What a streamed chunk of client choice `index` carries: a multi-row selection's new
+        `rows` (its deltas') with their positions, else the one-row value once it exists; {}
+        when neither."""
+        if self.prompt_of(index).multi_row:
+            return client_fields(rows, encoding)
+        return self.value_fields(index, encoding)
 
     def choice_omitted(self, index: int) -> str | None:
         """Why client choice `index` has no custom output ("prefix_reuse"), or None."""
@@ -328,7 +411,7 @@ class Generation:
 
     def usage(self) -> dict:
         prompt = sum(len(s.prompt_ids) for s in self.prompts.values())
-        completion = sum(len(c.token_ids) for c in self.choices())
+        completion = sum(c.num_completion_tokens for c in self.choices())
         cached = sum(s.num_cached_tokens for s in self.prompts.values())
         return _usage(prompt, completion, cached)
 
@@ -336,7 +419,7 @@ class Generation:
         """Client choice `index`'s own usage so far (vLLM's continuous_usage_stats)."""
         prompt = self.prompt_of(index)
         choice = prompt.choices.get(index - prompt.first_index)
-        completion = len(choice.token_ids) if choice else 0
+        completion = choice.num_completion_tokens if choice else 0
         return _usage(len(prompt.prompt_ids), completion, prompt.num_cached_tokens)
 
 

@@ -70,6 +70,24 @@ class EngineStatsCollector(Collector):
                 "breaks the rules; 606 for every request with rows in the call)",
                 s.custom_output_errors,
             ),
+            "tapserve_custom_output_rows": (
+                "Rows of multi-row custom outputs sent to the API process",
+                s.custom_output_rows,
+            ),
+            "tapserve_custom_output_bytes": (
+                "Bytes of multi-row custom output rows sent to the API process",
+                s.custom_output_bytes,
+            ),
+            "tapserve_content_filter_finishes": (
+                "Sequences a custom output head's should_stop ended (finish_reason "
+                '"content_filter")',
+                s.custom_output_content_filter,
+            ),
+            "tapserve_custom_output_should_stop_errors": (
+                "Custom output handler should_stop() calls that failed (606 for every request "
+                "with rows in the call)",
+                s.custom_output_should_stop_errors,
+            ),
             "tapserve_engine_steps": ("Engine steps that ran a forward", s.engine_steps),
             "tapserve_engine_steps_ahead": (
                 "Engine steps launched before the previous step's tokens reached the host "

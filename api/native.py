@@ -18,12 +18,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from tapserve.api import token_list
+from tapserve.api.custom_rows import join
 from tapserve.api.errors import ApiError, invalid
-from tapserve.api.generation import Choice, Generation
+from tapserve.api.generation import Choice, ChoiceDelta, Generation
 from tapserve.api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
 from tapserve.api.sampling_params import SamplingParams
 from tapserve.api.state import OFF_LOOP_BODY_BYTES, AppState, race_disconnect, sse
-from tapserve.api.values import encode_value, finite_logprob
+from tapserve.api.values import finite_logprob
 
 
 class GenerateConfig(StrictModel):
@@ -181,7 +182,7 @@ class _Answer:
             "finished": True,
             "finish_reason": self._pick([c.finish_reason for c in choices]),
         }
-        out.update(self._value(len(choices[: self.count])))
+        out.update(self._value(len(choices[: self.count]), deltas))
         out.update(self._omitted())
         if self.cfg.return_output_ids:
             out["output_ids"] = self._pick([c.token_ids for c in choices])
@@ -189,13 +190,26 @@ class _Answer:
             out["aux_info"] = self._pick([self._aux(c, choices) for c in choices])
         return out
 
-    def _value(self, count: int) -> dict:
-        """Each sequence's value (null in a list where none yet); absent when none has one."""
+    def _value(self, count: int, deltas: list[ChoiceDelta] | None = None) -> dict:
+        """Each sequence's value, and a multi-row selection's positions (null in a list where
+        none yet); absent when none has one. deltas: a streamed event's, whose new rows it
+        carries (a one-row value: the whole value)."""
         encoding = self.body.custom_output_encoding
-        values = [self.gen.choice_value(i, encoding) for i in range(max(count, 1))]
+        if deltas is None:
+            fields = [self.gen.value_fields(i, encoding) for i in range(max(count, 1))]
+        else:
+            fields = [
+                self.gen.delta_fields(i, join(d.rows for d in deltas if d.index == i), encoding)
+                for i in range(max(count, 1))
+            ]
+        values = [f.get("custom_output") for f in fields]
         if all(v is None for v in values) or (not self.cfg.listed and values[0] is None):
             return {}
-        return {"custom_output": values[:count] if self.cfg.listed else values[0]}
+        out = {"custom_output": values[:count] if self.cfg.listed else values[0]}
+        positions = [f.get("custom_output_positions") for f in fields]
+        if any(p is not None for p in positions):
+            out["custom_output_positions"] = positions[:count] if self.cfg.listed else positions[0]
+        return out
 
     def _omitted(self) -> dict:
         """custom_output_omitted ("prefix_reuse") beside custom_output, or {}."""
@@ -205,7 +219,7 @@ class _Answer:
     def _aux(self, c: Choice, choices: list[Choice]) -> dict:
         aux = {
             "input_len": len(c.prompt.prompt_ids),
-            "output_len": len(c.token_ids),
+            "output_len": c.num_completion_tokens,
             "reuse_len": c.prompt.num_cached_tokens,
             "cost_time_ms": round((time.monotonic() - self.start) * 1000, 3),
         }
@@ -216,14 +230,15 @@ class _Answer:
 
     def delta_event(self, deltas: list) -> dict | None:
         texts = {d.index: d.text for d in deltas}
-        if not any(texts.values()) and not any(d.token_ids for d in deltas):
+        if not any(texts.values()) and not any(d.token_ids or d.rows for d in deltas):
             return None
         response = (
             [texts.get(i, "") for i in range(self.count)] if self.cfg.listed else texts.get(0, "")
         )
         first = self._omitted() if not self.events_sent else {}
         self.events_sent += 1
-        return {"response": response, "finished": False, **self._value(self.count), **first}
+        value = self._value(self.count, deltas)
+        return {"response": response, "finished": False, **value, **first}
 
 
 async def _generate_events(answer: _Answer) -> AsyncIterator[str]:
@@ -293,9 +308,7 @@ async def _score_one(
         return e.native_body()
     prompt = next(iter(generation.prompts.values()))
     out = {"input_len": len(prompt.prompt_ids), "reuse_len": prompt.num_cached_tokens}
-    if prompt.custom_output is not None:
-        out["custom_output"] = encode_value(prompt.custom_output, encoding)
-    return out
+    return {**out, **generation.value_fields(prompt.first_index, encoding)}
 
 
 async def _entry(entry: dict) -> dict:

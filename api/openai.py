@@ -1,8 +1,9 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
 Prompt p's sample i is choice `p * n + i`; each choice carries its own
-`extra_outputs.custom_output`, and the object that of its last choice (DESIGN.md). Errors
-known before the first token are plain HTTP answers.
+`extra_outputs.custom_output` (with `custom_output_positions` for a multi-row selection), and
+the object that of its last choice (DESIGN.md); a streamed multi-row value comes as each
+chunk's new rows. Errors known before the first token are plain HTTP answers.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def _state(request: Request) -> AppState:
     return request.app.state.tapserve
 
 
-def _extra(encoded: Any, omitted: str | None = None) -> dict:
-    """{"extra_outputs": {"custom_output": ...}} with any `custom_output_omitted`; {} if neither."""
-    extra = {} if encoded is None else {"custom_output": encoded}
+def _extra(value_fields: dict, omitted: str | None = None) -> dict:
+    """{"extra_outputs": {"custom_output": ..., ...}} with any `custom_output_omitted`; {} if
+    neither. value_fields: Generation.value_fields' or delta_fields' answer."""
+    extra = dict(value_fields)
     if omitted is not None:
         extra["custom_output_omitted"] = omitted
     return {"extra_outputs": extra} if extra else {}
@@ -139,13 +141,13 @@ class _Shape:
         else:
             out["text"] = c.text
         out["logprobs"] = lp
-        value = c.encoded_value(self.body.custom_output_encoding)
+        value = c.value_fields(self.body.custom_output_encoding)
         return {**out, **_extra(value, c.custom_output_omitted)}
 
-    def chunk_choice(self, d: ChoiceDelta, value: Any, omitted: str | None) -> dict | None:
+    def chunk_choice(self, d: ChoiceDelta, value: dict, omitted: str | None) -> dict | None:
         """A choice's chunk, or None for a delta that carries nothing; the first chunk holds
-        the role and any `omitted`."""
-        if not (d.text or d.finish_reason or d.token_ids):
+        the role and any `omitted`. value: Generation.delta_fields' answer."""
+        if not (d.text or d.finish_reason or d.token_ids or d.rows):
             return None
         first = d.index not in self.started
         self.started.add(d.index)
@@ -185,7 +187,7 @@ async def _respond(
     choices = [shape.full_choice(c) for c in all_choices]
     last = all_choices[-1] if all_choices else None
     top = (
-        _extra(last.encoded_value(body.custom_output_encoding), last.custom_output_omitted)
+        _extra(last.value_fields(body.custom_output_encoding), last.custom_output_omitted)
         if last
         else {}
     )
@@ -206,7 +208,7 @@ async def _events(
     async for deltas in generation.run():
         events = []
         for d in deltas:
-            value = generation.choice_value(d.index, body.custom_output_encoding)
+            value = generation.delta_fields(d.index, d.rows, body.custom_output_encoding)
             choice = shape.chunk_choice(d, value, generation.choice_omitted(d.index))
             if choice is not None:
                 # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed

@@ -61,10 +61,16 @@ class SequenceOutput:
     new_logprobs: list[float] | None = None
     # per new token: [[token_id, logprob], ...] of the top_logprobs alternatives
     new_top_logprobs: list[list[list]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # "stop" | "length" | "abort" | "error" | "content_filter" (the head's should_stop)
+    finish_reason: str | None = None
     cumulative_logprob: float | None = None  # beam score (length-penalised) for beams
     # this sequence's own custom output (LAST_GENERATED), sent with its finish_reason
     custom_output: dict | None = None
+    # a multi-row selection: this sequence's new generated-token rows, {dtype, shape [k] or
+    # [k, width], data}, and each row's index in prompt + generated ids; the rows of exactly
+    # the new tokens, plus, with "content_filter", the flagged token's (which has no id here)
+    custom_rows: dict | None = None
+    custom_positions: list[int] | None = None
 
 
 @dataclass
@@ -88,6 +94,10 @@ class RequestOutput:
     error_param: str | None = None
     # "prefix_reuse": the selected prompt position came from the prefix cache; sent if set
     custom_output_omitted: str | None = None
+    # a multi-row selection: new prompt-position rows, shared by every sequence, and their
+    # positions (as SequenceOutput's); sent once each, only when set
+    custom_rows: dict | None = None
+    custom_positions: list[int] | None = None
 
 
 @dataclass
@@ -124,6 +134,10 @@ class EngineStats:
     custom_output_errors: int = 0  # forward() calls that failed (606 for their rows' requests)
     custom_output_selector_invalid: int = 0  # requests whose selector raised ValueError (605)
     custom_output_selector_errors: int = 0  # requests whose selector raised anything else (606)
+    custom_output_rows: int = 0  # multi-row selections' rows sent
+    custom_output_bytes: int = 0  # their bytes
+    custom_output_content_filter: int = 0  # sequences a head's should_stop ended
+    custom_output_should_stop_errors: int = 0  # should_stop calls that failed (606)
     engine_steps: int = 0  # steps that ran a forward, since start
     engine_steps_ahead: int = 0  # of them launched ahead of their predecessor's sampling
     TYPE = "stats"
@@ -180,16 +194,18 @@ def _output_body(out: RequestOutput) -> dict:
         del body["engine_stop_strings"]
     if body["error_param"] is None:
         del body["error_param"]
-    if body["custom_output_omitted"] is None:
-        del body["custom_output_omitted"]
+    for name in ("custom_output_omitted", "custom_rows", "custom_positions"):
+        if body[name] is None:
+            del body[name]
     body["sequences"] = [_sequence_body(s) for s in out.sequences]
     return body
 
 
 def _sequence_body(seq: SequenceOutput) -> dict:
     body = dict(seq.__dict__)
-    if body["custom_output"] is None:  # absent unless set
-        del body["custom_output"]
+    for name in ("custom_output", "custom_rows", "custom_positions"):
+        if body[name] is None:  # absent unless set
+            del body[name]
     return body
 
 

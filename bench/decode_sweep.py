@@ -1,5 +1,7 @@
 """Decode step time vs batch size at a fixed context, with bandwidth efficiency:
-(weight bytes + KV bytes read per step) / (step time x 4.3 TB/s).
+(weight bytes + KV bytes read per step) / (step time x B), and each step's floor
+max(bytes / B, FLOPs / F), B (a device-to-device copy) and F (a bf16 GEMM) measured at the
+start of the same run (bench/roofline.py) and recorded in the JSON with the GPU's name.
 
     python bench/decode_sweep.py --model-config ../shared/reference/configs/qwen3-8b.json \
         --batch-sizes 1,2,4,8,16,32,64,128,256 --context 1024 [--json out.json] [--profile-steps 16]
@@ -21,14 +23,13 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench import roofline  # noqa: E402
 from tapserve.bench.offline import config_dir, print_step_profile  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.offline import LLM  # noqa: E402
 
 if TYPE_CHECKING:
     from tapserve.ranks.runner import ModelRunner
-
-PEAK_BYTES_PER_S = 4.3e12
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -40,6 +41,20 @@ def weight_bytes(runner: ModelRunner) -> int:
             continue
         total += p.numel() * p.element_size()
     return total
+
+
+def decode_flops(runner: ModelRunner, batch: int, mean_context: float) -> float:
+    """FLOPs of a decode step on this rank: 2 per weight per row (the weights weight_bytes
+    counts) and attention's 4 per cached token per query head and head dimension (QK^T, PV)."""
+    cfg = runner.model_cfg
+    params = sum(
+        p.numel()
+        for name, p in runner.model.named_parameters()
+        if name != "embed_tokens.weight" or cfg.tie_word_embeddings
+    )
+    heads = cfg.num_attention_heads // runner.tp.size
+    attention = 4 * cfg.num_hidden_layers * heads * cfg.head_dim * mean_context
+    return batch * (2 * params + attention)
 
 
 def sync() -> None:
@@ -136,7 +151,12 @@ def main() -> None:
         default="on",
         help="on, off, or on,off: each batch timed in each mode in turn (coordinator/run_ahead.py)",
     )
+    roofline.add_arguments(p)
     args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = roofline.measure(device, args.copy_bytes, args.gemm_size)
+    bandwidth, flops_per_s = machine["copy_bytes_per_s"], machine["bf16_flops_per_s"]
+    print(roofline.describe(machine), flush=True)
     modes = [{"on": True, "off": False}[m] for m in args.async_scheduling.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     budget = 8192  # max_num_batched_tokens: the largest batch prefills in this many steps
@@ -169,6 +189,9 @@ def main() -> None:
                 print(f"batch {b}: {e}")
                 break
             read = wbytes + b * mean_context * kv_per_token
+            floor = roofline.step_floor(
+                read, decode_flops(llm.runner, b, mean_context), bandwidth, flops_per_s
+            )
             rows.append(
                 {
                     "batch": b,
@@ -177,8 +200,9 @@ def main() -> None:
                     "async_scheduling": run_ahead,
                     "step_ms": round(t * 1e3, 3),
                     "tokens_per_s": round(b / t, 1),
-                    "floor_ms": round(read / PEAK_BYTES_PER_S * 1e3, 3),
-                    "bandwidth_efficiency": round(read / (t * PEAK_BYTES_PER_S), 3),
+                    "floor_ms": round(floor * 1e3, 4),
+                    "ratio_to_floor": round(t / floor, 3),
+                    "bandwidth_efficiency": round(read / (t * bandwidth), 3),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -186,7 +210,9 @@ def main() -> None:
             continue
         break  # a batch that failed: larger ones would too (as before the modes loop)
     if args.json:
-        Path(args.json).write_text(json.dumps({"weight_bytes": wbytes, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"weight_bytes": wbytes, "machine": machine, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ uniform in [100, 1024], ignore_eos, temperature 0.6. Prints output tokens / wall
 The custom head's cost: `--ab-rounds N` with a `--custom-module` whose selector honours
 {"position": -1} (e.g. bench/last_token_head.py:LastTokenLinearHead) runs the workload 2N
 times in one engine, alternating head on / head off (prefix caching off, so every round
-computes every prompt), and reports both the best and the median round of each.
+computes every prompt), and reports both the best and the median round of each, with each
+round's engine_steps_ahead / engine_steps. `--ab-params '{"position": [-3]}'` turns the head
+on for every generated token (with bench/last_token_head.py:PairLinearHead, [hidden -> 2]).
 
 `--step-kinds` also reports, per plan kind (prefill, mixed, decode), the number of steps and
 the wall seconds of the engine steps that ran them (each step ends in a host sync on its
@@ -66,31 +68,43 @@ def config_dir(config_json: str) -> str:
 
 
 def head_ab(llm: LLM, prompts, params, args) -> None:
-    """Alternate head on / off (on, off, off, on, ...: drift hits both alike)."""
+    """Alternate head on / off (on, off, off, on, ...: drift hits both alike). The "on" arm's
+    custom_output_params are --ab-params (default: the head's own selection)."""
     rounds: dict[str, list[float]] = {"on": [], "off": []}
+    steps: dict[str, list[list[int]]] = {"on": [], "off": []}
+    on = json.loads(args.ab_params) if args.ab_params else None
+    engine = llm.engine
     for r in range(2 * args.ab_rounds):
         mode = "on" if r % 4 in (0, 3) else "off"
-        custom = None if mode == "on" else [{"position": -1}] * len(prompts)
-        calls = llm.engine.custom_stats.calls
+        custom = [on if mode == "on" else {"position": -1}] * len(prompts)
+        calls, ahead, total = engine.custom_stats.calls, engine.num_ahead_steps, engine.num_steps
         start = time.perf_counter()
         llm.generate(prompts, params, custom_output_params=custom)
         rounds[mode].append(round(time.perf_counter() - start, 3))
+        steps[mode].append([engine.num_ahead_steps - ahead, engine.num_steps - total])
         print(
             json.dumps(
                 {
                     "round": r,
                     "head": mode,
                     "seconds": rounds[mode][-1],
-                    "handler_calls": llm.engine.custom_stats.calls - calls,
+                    "handler_calls": engine.custom_stats.calls - calls,
+                    "engine_steps_ahead/engine_steps": steps[mode][-1],
                 }
             ),
             flush=True,
         )
     best = {m: min(v) for m, v in rounds.items()}
     median = {m: statistics.median(v) for m, v in rounds.items()}
+    out_tokens = sum(p.max_new_tokens for p in params)  # ignore_eos: each runs to its length
     figures = {
         "custom_module": args.custom_module,
+        "ab_params": on,
         "rounds": rounds,
+        "engine_steps_ahead/engine_steps": steps,
+        "output_tokens_per_s_median": {
+            m: round(out_tokens / statistics.median(v), 1) for m, v in rounds.items()
+        },
         "best_on_s": best["on"],
         "best_off_s": best["off"],
         "cost_best": round(best["on"] / best["off"] - 1, 4),
@@ -235,6 +249,11 @@ def main() -> None:
     )
     p.add_argument(
         "--ab-rounds", type=int, default=0, help="head on / head off rounds (needs --custom-module)"
+    )
+    p.add_argument(
+        "--ab-params",
+        help='the "on" arm\'s custom_output_params as JSON, e.g. \'{"position": [-3]}\' '
+        "(every generated token; default: the head's own selection)",
     )
     p.add_argument(
         "--async-ab",

@@ -3,7 +3,10 @@
 Streams `/v1/completions` requests with token-id prompts (`ignore_eos`, so every request
 produces exactly its output length) at a fixed concurrency or with Poisson arrivals, and
 reports TTFT, TPOT, ITL (p50 / p99) and output tokens/s (vLLM's definitions: TPOT =
-(latency - TTFT) / (output tokens - 1) per request; ITL = gaps between streamed chunks).
+(latency - TTFT) / (output tokens - 1) per request; ITL = gaps between streamed chunks), SSE
+events per token (events carrying tokens / tokens streamed) and the output tokens streamed.
+The HTTP client runs in a process of its own (`--client-cores 12-15` pins it to those cores
+and a server started with --launch to the others).
 
     python bench/serve.py --url http://127.0.0.1:8000 --concurrency 64 --num-requests 256
     python bench/serve.py --request-rate 16 ...                 # Poisson arrivals
@@ -12,6 +15,15 @@ reports TTFT, TPOT, ITL (p50 / p99) and output tokens/s (vLLM's definitions: TPO
     python bench/serve.py --launch "--model-config ../shared/reference/configs/qwen3-0.6b.json" \
         --concurrency 64 --compare-engine
     # the demo model (vocabulary 1024): --launch "" --max-token-id 1000
+    # bench/offline.py's nano-vllm workload over HTTP (133,966 output tokens), 256 streams:
+    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json" \
+        --workload nano-vllm --concurrency 256 --client-cores 12-15
+    # capacity under a latency target: Poisson rates, a table and a plot in --out-dir, and the
+    # highest rate within --ttft-p99-ms / --tpot-p99-ms; --head last-prompt adds a custom
+    # output on each request's last prompt token (the server needs a --custom-module whose
+    # selector honours "position", e.g. bench/last_token_head.py:LastTokenLinearHead)
+    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json" \
+        --sweep-rates 2,4,8,16,32 --num-requests 512 --out-dir sweep --client-cores 12-15
 
 `--model-config FILE` inside --launch is expanded to `--model DIR --load-format dummy
 --tokenizer TOK` with a synthetic word-level tokenizer of the config's vocabulary size (the
@@ -21,40 +33,33 @@ API process only needs a tokenizer whose ids cover the vocabulary).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import random
-import shlex
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parent.parent
 if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     import runpy
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
-
-@dataclass
-class Result:
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    error: str | None = None
+from tapserve.bench.serve_client import Result, client_pool, client_run, parse_cores  # noqa: E402
+from tapserve.bench.serve_launch import expand_launch, start_server  # noqa: E402
+from tapserve.bench.serve_report import Targets, best_rate, sweep_plot, sweep_table  # noqa: E402
 
 
 # ---- workload ------------------------------------------------------------------------------
 def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
-    """(prompt ids, output length) per request; seeded."""
+    """(prompt ids, output length) per request; seeded. --workload nano-vllm: bench/offline.py's
+    own workload (its 256 requests, each with its max_new_tokens)."""
+    if args.workload == "nano-vllm":
+        from tapserve.bench.offline import workload as nano_vllm
+
+        prompts, params = nano_vllm(256, 1024, 1024)
+        return [(prompt, p.max_new_tokens) for prompt, p in zip(prompts, params)]
     rng = random.Random(args.seed)
 
     def length(mean: int) -> int:
@@ -82,12 +87,16 @@ def summarize(results: list[Result], wall: float) -> dict:
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [x for r in ok for x in r.itl]
     ms = 1000.0
+    tokens = sum(r.output_tokens for r in ok)
+    events = sum(r.token_events for r in ok)
     out = {
         "requests": len(results),
         "failed": len(results) - len(ok),
         "wall_s": wall,
-        "output_tokens": sum(r.output_tokens for r in ok),
-        "output_tok_per_s": sum(r.output_tokens for r in ok) / wall if wall else 0.0,
+        "output_tokens": tokens,
+        "token_events": events,
+        "sse_events_per_token": events / tokens if tokens else float("nan"),
+        "output_tok_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
     }
     for name, values in (
@@ -113,88 +122,15 @@ def print_summary(title: str, s: dict) -> None:
         f"requests {s['requests']} (failed {s['failed']}), wall {s['wall_s']:.2f} s, "
         f"{s['output_tok_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s"
     )
+    print(
+        f"  output tokens streamed {s['output_tokens']}, in {s['token_events']} SSE events: "
+        f"{s['sse_events_per_token']:.4f} events per token"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
         v = s[name]
         print(f"  {name:<11} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p99 {v['p99']:9.2f}")
     for e in s.get("errors", []):
         print("  error:", e)
-
-
-# ---- HTTP client ---------------------------------------------------------------------------
-async def one_request(
-    client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, extra: dict
-) -> Result:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.6,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **extra,
-    }
-    res, start = Result(), time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"]["message"]
-                    return res
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                if last is None:
-                    res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
-                last = now
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-    res.latency = time.perf_counter() - start
-    return res
-
-
-async def run_http(args: argparse.Namespace, url: str, items: list[tuple[list[int], int]]):
-    from tqdm import tqdm
-
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 1) + 64)
-    extra = json.loads(args.extra_body) if args.extra_body else {}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as c:
-        model = (await c.get("/v1/models")).json()["data"][0]["id"]
-        if args.warmup:
-            await asyncio.gather(
-                *(one_request(c, model, p, 8, extra) for p, _ in items[: args.warmup])
-            )
-        gate = asyncio.Semaphore(args.concurrency or len(items))
-        bar = tqdm(total=len(items), desc="requests", disable=args.no_progress)
-        rng = random.Random(args.seed + 1)
-
-        async def limited(prompt: list[int], n: int) -> Result:
-            async with gate:
-                result = await one_request(c, model, prompt, n, extra)
-            bar.update(1)
-            return result
-
-        tasks, start = [], time.perf_counter()
-        for prompt, n in items:
-            tasks.append(asyncio.create_task(limited(prompt, n)))
-            if args.request_rate:
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
-        bar.close()
-    return results, wall
 
 
 # ---- the engine in-process (the relay-cost baseline) ---------------------------------------
@@ -245,56 +181,6 @@ def run_engine(
     return list(results.values()), wall
 
 
-# ---- server launch -------------------------------------------------------------------------
-def synthetic_tokenizer(vocab_size: int, folder: Path) -> None:
-    """A word-level tokenizer with ids 0..vocab_size-1 ("t0", "t1", ...), nothing special."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i} ": i for i in range(vocab_size)}, unk_token="t0 "))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.Fuse()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text("{}")
-
-
-def expand_launch(launch: str, workdir: Path) -> list[str]:
-    """--model-config FILE -> --model DIR --load-format dummy --tokenizer TOK."""
-    argv = shlex.split(launch)
-    if "--model-config" in argv:
-        i = argv.index("--model-config")
-        config_file = Path(argv[i + 1])
-        model_dir, tok_dir = workdir / "model", workdir / "tokenizer"
-        model_dir.mkdir()
-        tok_dir.mkdir()
-        shutil.copy(config_file, model_dir / "config.json")
-        synthetic_tokenizer(json.loads(config_file.read_text())["vocab_size"], tok_dir)
-        argv[i : i + 2] = [
-            "--model",
-            str(model_dir),
-            "--load-format",
-            "dummy",
-            "--tokenizer",
-            str(tok_dir),
-        ]
-    return argv
-
-
-def start_server(argv: list[str], port: int, timeout: float = 900) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "launch.py", *argv, "--port", str(port)], cwd=ROOT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"launch.py exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not become healthy")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -308,13 +194,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --launch: also run the engine in-process; print the relay cost",
     )
+    p.add_argument(
+        "--workload",
+        choices=("random", "nano-vllm"),
+        default="random",
+        help="random: the lengths below; nano-vllm: bench/offline.py's 256 requests "
+        "(the length and token-id options do not apply)",
+    )
     p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=64, help="0: unlimited")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests in flight at most, 0: unlimited (default: 64, unlimited with Poisson rates)",
+    )
     p.add_argument(
         "--request-rate",
         type=float,
         default=0.0,
         help="Poisson arrivals per second (0: all at once, gated by --concurrency)",
+    )
+    p.add_argument(
+        "--sweep-rates",
+        help="comma-separated Poisson rates, each run on the same requests: a table and a plot "
+        "in --out-dir and the highest rate within the targets",
+    )
+    p.add_argument("--out-dir", default="serve_sweep", help="where --sweep-rates writes")
+    p.add_argument("--label", default="", help="named in the sweep's title (GPU, model)")
+    p.add_argument("--ttft-p99-ms", type=float, default=1000.0, help="the sweep's TTFT target")
+    p.add_argument("--tpot-p99-ms", type=float, default=50.0, help="the sweep's TPOT target")
+    p.add_argument(
+        "--min-achieved",
+        type=float,
+        default=0.95,
+        help="the sweep's least achieved / offered request rate",
+    )
+    p.add_argument(
+        "--head",
+        choices=("none", "last-prompt"),
+        default="none",
+        help='last-prompt: custom_output_params {"position": last prompt token} on each request',
+    )
+    p.add_argument(
+        "--client-cores",
+        help="pin the HTTP client's process to these cores (e.g. 12-15) and a --launch server "
+        "to the others",
     )
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
@@ -325,25 +248,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sweep_rates and args.compare_engine:
+        p.error("--compare-engine compares one run: leave out --sweep-rates")
+    return args
+
+
+def run_rates(
+    args: argparse.Namespace, url: str, items: list[tuple[list[int], int]], rates: list[float]
+) -> list[dict]:
+    """The workload at each rate, in the client's own process: each rate's summary, with the
+    output tokens the requests ask for (ignore_eos: each runs to its max_tokens)."""
+    cores = parse_cores(args.client_cores) if args.client_cores else None
+    expected = sum(n for _, n in items)
+    runs = []
+    with client_pool(cores) as pool:
+        for rate in rates:
+            raw, wall, client_cores = pool.submit(client_run, args, url, items, rate).result()
+            summary = summarize([Result(**r) for r in raw], wall)
+            runs.append(
+                {
+                    "rate": rate,
+                    **summary,
+                    "expected_output_tokens": expected,
+                    "client_cores": client_cores,
+                }
+            )
+            title = f"{rate:g} req/s" if rate else "all at once"
+            print_summary(f"HTTP (streaming /v1/completions), {title}", runs[-1])
+            if summary["output_tokens"] != expected:
+                print(f"  output tokens streamed {summary['output_tokens']}, asked for {expected}")
+    return runs
+
+
+def report_sweep(args: argparse.Namespace, runs: list[dict]) -> float | None:
+    """The sweep's table, plot and JSON in --out-dir; prints the table and the best rate."""
+    targets = Targets(args.ttft_p99_ms, args.tpot_p99_ms, args.min_achieved)
+    best = best_rate(runs, targets)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    server = f"--launch {args.launch!r}" if args.launch is not None else args.url
+    label = f" {args.label}" if args.label else ""
+    title = f"tapserve request-rate sweep{label} ({args.workload}, head {args.head})"
+    best_line = f"highest rate within {targets.describe()}: " + (
+        f"{best:g} req/s" if best is not None else "none of the rates"
+    )
+    text = f"{title}, {server}\n\n{sweep_table(runs, targets)}\n{best_line}\n"
+    (out / "serve_sweep.md").write_text(text)
+    (out / "serve_sweep.json").write_text(
+        json.dumps({"args": vars(args), "best_rate": best, "runs": runs}, indent=1)
+    )
+    sweep_plot(runs, out / "serve_sweep.png", title, targets)
+    print("\n" + text)
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    rates = [float(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else None
+    if args.concurrency is None:
+        args.concurrency = 0 if rates or args.request_rate else 64
+    client_cores = parse_cores(args.client_cores) if args.client_cores else set()
+    server_cores = os.sched_getaffinity(0) - client_cores if client_cores else None
     items = workload(args)
     figures: dict = {"args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="tapserve-bench-") as tmp:
         launch_argv = expand_launch(args.launch, Path(tmp)) if args.launch is not None else None
-        proc = start_server(launch_argv, args.port) if launch_argv is not None else None
+        proc = None
+        if launch_argv is not None:
+            proc = start_server(launch_argv, args.port, server_cores or None)
         url = f"http://127.0.0.1:{args.port}" if proc else args.url
         try:
-            results, wall = asyncio.run(run_http(args, url, items))
+            runs = run_rates(args, url, items, rates or [args.request_rate])
         finally:
             if proc:
                 proc.terminate()
                 proc.wait(60)
-        figures["http"] = summarize(results, wall)
-        print_summary("HTTP (streaming /v1/completions)", figures["http"])
+        if rates:
+            figures["best_rate"] = report_sweep(args, runs)
+            figures["sweep"] = runs
+        else:
+            figures["http"] = runs[0]
         if args.compare_engine and launch_argv is not None:
             results, wall = run_engine(launch_argv, args, items)
             figures["engine"] = summarize(results, wall)

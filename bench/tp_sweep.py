@@ -1,9 +1,12 @@
 """For ops teams choosing a TP degree: run one model at TP 1, 2, 4, 8 (as many GPUs as the
 machine has; gloo on CPU) and write a markdown table and a PNG plot of batch-1 decode
-tokens/s, per-GPU bandwidth efficiency, throughput, TTFT and KV memory per rank.
+tokens/s, per-GPU bandwidth efficiency, throughput, TTFT and KV memory per rank. The
+efficiency's B is a device-to-device copy measured on the first device after the sweep
+(bench/roofline.py), recorded in every row with the device's name.
 
     python bench/tp_sweep.py --model-config bench/configs/qwen3-32b.json --out docs/tp_sweep
-    python bench/tp_sweep.py --model-config CFG --device cpu --tp 1,2 --num-seqs 4 --max-len 32
+    python bench/tp_sweep.py --model-config CFG --device cpu --tp 1,2 --num-seqs 4 --max-len 32 \
+        --copy-bytes 16777216 --gemm-size 256
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ from pathlib import Path
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-PEAK_BYTES_PER_S = 4.3e12
+if not __package__:  # run as a script from a checkout: bind `tapserve` to it
+    import runpy
+
+    runpy.run_path(str(ROOT / "_checkout.py"))
+
+from tapserve.bench import roofline  # noqa: E402
+
 KEEP_NVLS_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -64,11 +73,15 @@ def run_degree(tp: int, args, out_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def derive(row: dict) -> dict:
+def derive(row: dict, machine: dict) -> dict:
+    """A worker's row with tokens/s and the efficiency against machine's measured B."""
     step_s = row["batch1_decode_ms"] / 1e3
-    per_gpu_floor = row["batch1_read_bytes_per_rank"] / PEAK_BYTES_PER_S
+    per_gpu_floor = row["batch1_read_bytes_per_rank"] / machine["copy_bytes_per_s"]
     return {
         **row,
+        "device_name": machine["device_name"],
+        "copy_bytes_per_s": machine["copy_bytes_per_s"],
+        "bf16_flops_per_s": machine["bf16_flops_per_s"],
         "batch1_tokens_per_s": round(1 / step_s, 1),
         "per_gpu_bandwidth_efficiency": round(per_gpu_floor / step_s, 3),
     }
@@ -128,6 +141,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--timeout", type=float, default=1800)
+    roofline.add_arguments(p)
     p.add_argument(
         "--out", default="tp_sweep", help="output prefix: PREFIX.md, PREFIX.png, PREFIX.json"
     )
@@ -135,9 +149,16 @@ def main() -> None:
     degrees = [int(x) for x in args.tp.split(",")] if args.tp else available_degrees(args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = [derive(run_degree(tp, args, out.parent)) for tp in tqdm(degrees, desc="TP degrees")]
+    raw = [run_degree(tp, args, out.parent) for tp in tqdm(degrees, desc="TP degrees")]
+    # measured once the workers are gone, so their memory is free
+    device = args.device or ("cuda" if roofline.torch.cuda.is_available() else "cpu")
+    machine = roofline.measure(device, args.copy_bytes, args.gemm_size)
+    print(roofline.describe(machine))
+    rows = [derive(r, machine) for r in raw]
     name = Path(args.model_config).stem
-    out.with_suffix(".md").write_text(f"TP sweep, {name}\n\n" + table(rows))
+    out.with_suffix(".md").write_text(
+        f"TP sweep, {name}; {roofline.describe(machine)}\n\n" + table(rows)
+    )
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     plot(rows, out.with_suffix(".png"), f"tapserve TP sweep, {name}")
     print(table(rows))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tapserve.api.wire import SequenceOutput
+from tapserve.coordinator.row_selection import PendingRows
 from tapserve.coordinator.sequence import Request, Sequence
 
 
@@ -23,6 +24,7 @@ class Hypothesis:
     finish_reason: str
     parent: int = -1  # position of its parent among the step's beams
     custom_output: dict | None = None  # LAST_GENERATED value, once scored
+    rows: PendingRows | None = None  # a multi-row selection's rows of its history, once scored
 
 
 @dataclass
@@ -108,13 +110,20 @@ class BeamSearch:
     @staticmethod
     def final_outputs(request: Request) -> list[SequenceOutput]:
         best = request.beam_state.finished[: request.params.n] if request.beam_state else []
-        return [
-            SequenceOutput(
-                index=i,
-                new_token_ids=h.token_ids,
-                finish_reason=h.finish_reason,
-                cumulative_logprob=h.score,
-                custom_output=h.custom_output,
+        outputs = []
+        for i, h in enumerate(best):
+            rows, positions = h.rows.copy().take() if h.rows is not None else (None, None)
+            outputs.append(
+                SequenceOutput(
+                    i,
+                    h.token_ids,
+                    None,
+                    None,
+                    h.finish_reason,
+                    h.score,
+                    h.custom_output,
+                    rows,
+                    positions,
+                )
             )
-            for i, h in enumerate(best)
-        ]
+        return outputs

@@ -16,6 +16,8 @@ from tapserve.model.config import ModelConfig
 from tapserve.model.loader import resolve_dtype
 from tapserve.ranks.runner import check_block_size_and_load_format
 
+DEFAULT_MAX_CUSTOM_OUTPUT_BYTES = 16 << 20  # one request's multi-row custom outputs
+
 
 @dataclass
 class EngineConfig:
@@ -35,6 +37,7 @@ class EngineConfig:
     custom_module: str | None = None  # None or "none" (as the flag spells it): no handler
     custom_output_reuse: str = "omit"
     output_workers: int = 0
+    max_custom_output_bytes: int = DEFAULT_MAX_CUSTOM_OUTPUT_BYTES
     enforce_eager: bool = False
     seed: int = 0
     async_scheduling: bool | None = None  # None: on CUDA (coordinator/run_ahead.py)
@@ -45,6 +48,10 @@ class EngineConfig:
         if self.custom_output_reuse not in ("omit", "recompute"):
             raise ValueError("custom_output_reuse must be omit or recompute")
         check_output_workers(self.output_workers)  # before any rank starts
+        if self.max_custom_output_bytes < 0:
+            raise ValueError(
+                f"max_custom_output_bytes must be >= 0, got {self.max_custom_output_bytes}"
+            )
         check_block_size_and_load_format(self.block_size, self.load_format)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -127,6 +134,9 @@ class EngineOptions:
     custom_output_reuse: str = "omit"  # or "recompute"
     seed: int = 0
     output_workers: int = 0  # custom-output dispatch threads (0 = serial)
+    # a multi-row selection's bound: rows x custom_row_bytes (the dry run's) x max(n, beams)
+    max_custom_output_bytes: int = DEFAULT_MAX_CUSTOM_OUTPUT_BYTES
+    custom_row_bytes: int = 0
     # plain decode steps run ahead of their sampling (coordinator/run_ahead.py); None: on
     # CUDA, where it pays (the CPU computes synchronously anyway)
     async_scheduling: bool | None = None

@@ -12,10 +12,14 @@ import torch
 
 from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS
 from tapserve.coordinator.handler_failures import FailureLog, log
-from tapserve.coordinator.sequence import LAST_GENERATED  # (re-exported: the engine's name for -2)
+from tapserve.coordinator.row_selection import (  # (LAST_GENERATED re-exported)
+    LAST_GENERATED,
+    RowSelection,
+    SelectionError,
+    parse_selection,
+)
 from tapserve.model.custom_output import (
     ALLOWED_DTYPES,
-    CustomOutputError,
     HandlerLoadError,
     check_labels,
     check_output,
@@ -50,9 +54,10 @@ class RequestError(Exception):
 
 def build_handler(
     spec: str, model_dir: Path | None, device: torch.device, dtype: torch.dtype, hidden_size: int
-) -> object:
+) -> tuple[object, int]:
     """Instantiate the deployment's handler (no arguments), give it its weights, and check it
-    with one dry run on a zero row. Raises HandlerLoadError with a clear message."""
+    with one dry run on a zero row; returns it and the bytes of one of its rows. Raises
+    HandlerLoadError with a clear message."""
     cls = load_handler_class(spec)
     with startup_step(f"custom handler {cls.__name__}() failed"):
         handler = cls()
@@ -80,7 +85,7 @@ def build_handler(
         zero = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         dry_run = check_output(handler.forward(zero), 1)
     check_labels(handler, dry_run)
-    return handler
+    return handler, dry_run[0].numel() * dry_run.element_size()
 
 
 def _weights_beside(spec: str, cls: type) -> list[Path]:
@@ -146,8 +151,9 @@ def _missing_weights_message(
 
 def select_position(
     handler: object | None, input_ids: list[int], params: dict | None, max_new_tokens: int
-) -> int:
-    """Run the selector with the error rules of DESIGN.md; -1 means no custom output."""
+) -> int | RowSelection:
+    """Run the selector with the error rules of DESIGN.md; -1 means no custom output, a
+    RowSelection a multi-row one (a list answer)."""
     if handler is None:
         if params is not None:
             raise RequestError(
@@ -183,11 +189,17 @@ def select_position(
             f"custom output selection failed: {describe_error(e)}",
             selector_error=e,
         ) from None
+    if isinstance(pos, (list, tuple)):
+        try:
+            selection = parse_selection(list(pos), len(input_ids), max_new_tokens)
+        except SelectionError as e:
+            raise RequestError(e.code, str(e), "custom_output_params") from None
+        return -1 if selection is None else selection
     if not isinstance(pos, (int, np.integer)) or isinstance(pos, bool):
         raise RequestError(
             INVALID_PARAMS,
             f"the selector returned {type(pos).__name__} "
-            f"{describe(pos)[:100]}, not an int position",
+            f"{describe(pos)[:100]}, not an int position or a list of them",
             "custom_output_params",
         )
     if not (-1 <= pos < len(input_ids) or pos == LAST_GENERATED):
@@ -222,6 +234,10 @@ class CustomOutputStats:
     errors: int = 0  # forward() calls that failed: 606 for every request with rows in them
     selector_invalid: int = 0  # requests whose selector raised ValueError: 605
     selector_errors: int = 0  # requests whose selector raised anything else: 606
+    rows_sent: int = 0  # multi-row selections' rows in outputs
+    bytes_sent: int = 0
+    content_filter: int = 0  # sequences should_stop ended
+    should_stop_errors: int = 0  # should_stop calls that failed: 606 for their rows' requests
     failures: FailureLog = field(default_factory=FailureLog)
 
     def selector_failed(self, request_id: str, e: RequestError) -> None:
@@ -243,40 +259,13 @@ class CustomOutputStats:
         )
         self.failures.failed("forward", message, error)
 
-
-@dataclass
-class HostRows:
-    """A step's handler output after its one device-to-host copy: `array` is the numpy
-    carrier ([rows] or [rows, width]; bfloat16 travels as its int16 bit pattern)."""
-
-    dtype: str
-    array: np.ndarray
-
-    def __len__(self) -> int:
-        return self.array.shape[0]
-
-    def row(self, i: int) -> np.ndarray:
-        """Row i kept as [1] or [1, width] (a view: copy it before the buffer is reused)."""
-        return self.array[i : i + 1]
-
-
-def run_handler(handler: object, hidden_rows: torch.Tensor, stats: CustomOutputStats) -> HostRows:
-    """One call for all selected rows of a step, checked, then the step's one device-to-host
-    copy. Raises CustomOutputError (the caller fails exactly these rows' requests with 606)."""
-    stats.calls += 1
-    rows = hidden_rows.shape[0]
-    try:
-        with torch.inference_mode():  # the hidden states are inference tensors; no autograd
-            out = check_output(handler.forward(hidden_rows), rows)
-            host = out.detach().contiguous().cpu()  # the step's one device-to-host copy
-    except CustomOutputError as e:
-        stats.forward_failed(rows, e)
-        raise
-    except BaseException as e:  # SystemExit, KeyboardInterrupt too: the handler's, not ours
-        stats.forward_failed(rows, e)
-        raise CustomOutputError(describe_error(e)) from e
-    raw = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
-    return HostRows(ALLOWED_DTYPES[host.dtype], raw.numpy())
+    def should_stop_failed(self, rows: int, error: BaseException) -> None:
+        self.should_stop_errors += 1
+        message = (
+            f"custom output should_stop failed on {rows} rows (606 for their requests): "
+            f"{describe_error(error)}"
+        )
+        self.failures.failed("should_stop", message, error)
 
 
 def encode_row(row: np.ndarray, dtype: str) -> dict:

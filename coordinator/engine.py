@@ -19,31 +19,35 @@ import torch
 
 from tapserve.api.detokenizer import Decoder
 from tapserve.api.sampling_params import BatchDraw, SamplingParams
-from tapserve.api.wire import EXECUTION_EXCEPTION, INVALID_PARAMS, Outputs, RequestOutput
+from tapserve.api.wire import INVALID_PARAMS, Outputs, RequestOutput
 from tapserve.coordinator.beam_search import BeamSearch
 from tapserve.coordinator.blocks import BlockManager
 from tapserve.coordinator.config import EngineOptions
 from tapserve.coordinator.custom_outputs import (
-    LAST_GENERATED,
     CustomOutputStats,
     RequestError,
-    encode_row,
-    run_handler,
     select_position,
 )
 from tapserve.coordinator.engine_tokens import TokenSteps
+from tapserve.coordinator.handler_steps import HandlerSteps
 from tapserve.coordinator.keepalive import PlanKeepalive
 from tapserve.coordinator.output_dispatch import OutputDispatcher
 from tapserve.coordinator.outputs import SteadyColumns, put_news_in_columns, request_output
 from tapserve.coordinator.planner import Planner, PlanRows
-from tapserve.coordinator.run_ahead import AheadStep, TokenCopies, ahead_draw, row_params
+from tapserve.coordinator.row_selection import RowSelection
+from tapserve.coordinator.run_ahead import (
+    AheadRows,
+    AheadStep,
+    TokenCopies,
+    ahead_draw,
+    row_params,
+)
 from tapserve.coordinator.sampler import Sampler, to_device
 from tapserve.coordinator.scheduled_batch import ScheduledBatch
 from tapserve.coordinator.scheduler import Scheduler
-from tapserve.coordinator.sequence import Request, Sequence, SequenceFactory
+from tapserve.coordinator.sequence import Request, SequenceFactory
 from tapserve.coordinator.stop_strings import truncate_output, watches_stop_strings
-from tapserve.coordinator.validation import validate_prompt, validate_rows
-from tapserve.model.custom_output import CustomOutputError
+from tapserve.coordinator.validation import validate_prompt, validate_row_bytes, validate_rows
 from tapserve.ranks.plan import StepKind, StepPlan, block_table_dtype
 from tapserve.ranks.runner import ModelRunner, StepOutput
 
@@ -91,7 +95,15 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.custom_stats = CustomOutputStats()
         self.dispatcher = OutputDispatcher(options.output_workers)
-        self._custom_pending: list[tuple[Sequence, object]] = []  # (sequence, Future of its value)
+        self.handler_steps = HandlerSteps(
+            handler,
+            self.tokens,
+            self.custom_stats,
+            self._fail,
+            self.dispatcher,
+            self._handler_busy,
+            runner.device,
+        )
         self._arrivals = count()
         self._ready: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.columns = SteadyColumns()
@@ -127,31 +139,40 @@ class Engine:
             raise RequestError(INVALID_PARAMS, f"duplicate request id {request_id!r}")
         validate_prompt(prompt_token_ids, params, self.options, self.blocks)
         with self._handler_busy():
-            pos = select_position(
+            selected = select_position(
                 self.handler, prompt_token_ids, custom_output_params, params.max_new_tokens
             )
+        selection = selected if isinstance(selected, RowSelection) else None
+        pos = -1 if selection is not None else selected
         request = Request(
             request_id,
             list(prompt_token_ids),
             params,
             next(self._arrivals),
             custom_position=pos,
+            selection=selection,
+            custom_output_params=custom_output_params,
+            all_generated=selection is not None and selection.all_generated,
             fast_draw=params.batch_draw if self.fast_draws else BatchDraw.GENERAL,
             **self._decode_checks(params, len(prompt_token_ids)),
         )
         validate_rows(request.max_rows, params, self.options)
-        if pos >= 0 and (
+        if selection is not None:
+            validate_row_bytes(selection, params, self.options)
+        first_prompt_row = selection.prompt[0] if selection and selection.prompt else pos
+        if first_prompt_row >= 0 and (
             self.options.custom_output_reuse == "recompute" or params.max_new_tokens == 0
         ):
-            request.reuse_cap_tokens = pos  # reuse stops below the selected token
+            request.reuse_cap_tokens = first_prompt_row  # reuse stops below the selected token
         if params.num_beams == 1 and watches_stop_strings(request, self.text_decoder):
             request.watch_stop_strings = True
             request.max_total_tokens = 0  # every new token goes through _check_stop
         request.single = params.n == 1 and params.num_beams == 1 and not request.watch_stop_strings
-        request.token_columns = request.single and not params.logprobs and params.max_new_tokens > 0
+        plain = request.single and not params.logprobs and params.max_new_tokens > 0
+        request.token_columns = plain and not request.all_generated  # (rows travel with tokens)
         request.runs_ahead = (
-            request.token_columns
-            and pos != LAST_GENERATED
+            plain
+            and (request.all_generated or not request.scores_generated)
             and request.fast_draw is not BatchDraw.GENERAL
         )
         self.seqs.prompt_sequence(request)
@@ -202,7 +223,8 @@ class Engine:
         self.num_steps += 1
         draw = self._ahead_draw(batch, plan, rows)
         if draw is not None:
-            self._launch_ahead(batch, result.logits, draw, row_params(draw, batch.seqs))
+            generated = self.handler_steps.launch_generated(result.hidden, rows, plan)
+            self._launch_ahead(batch, result.logits, draw, row_params(draw, batch.seqs), generated)
             return outputs
         advanced = self._postprocess(batch, plan, rows, result)
         self._collect_outputs(batch, outputs, advanced)
@@ -231,7 +253,7 @@ class Engine:
         scheduled = self.scheduler.schedule_ahead()
         if scheduled is not None:
             batch, keep = scheduled
-            plan, _ = self.planner.build(batch)
+            plan, rows = self.planner.build(batch)
             plan.graph_bucket = self.runner.graph_bucket_for(plan)
             ids, params = ahead.tokens, ahead.row_params
             if keep is not None:  # rows finished since: their successors are dropped
@@ -240,11 +262,17 @@ class Engine:
             self.send_plan(plan)  # plan.ids_from_rank0: the ids follow on the GPUs
             result = self.runner.execute(plan, input_ids=ids)
             self.num_steps += 1
-            self._launch_ahead(batch, result.logits, ahead.draw, params)
+            generated = self.handler_steps.launch_generated(result.hidden, rows, plan)
+            self._launch_ahead(batch, result.logits, ahead.draw, params, generated)
         self._finish_ahead(ahead, outputs)
 
     def _launch_ahead(
-        self, batch: ScheduledBatch, logits: torch.Tensor, draw: BatchDraw, params: list | None
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        draw: BatchDraw,
+        params: list | None,
+        generated: AheadRows | None = None,
     ) -> None:
         """Sample on the device as TokenSteps.sample would, and keep the step in flight."""
         if draw is BatchDraw.GREEDY:
@@ -254,7 +282,13 @@ class Engine:
         else:
             tokens = self.sampler.plain_tensor(logits, params)
         self._ahead = AheadStep(
-            batch, tokens, self._token_copies.start(tokens), draw, params, self.tokens.num_finished
+            batch,
+            tokens,
+            self._token_copies.start(tokens),
+            draw,
+            params,
+            self.tokens.num_finished,
+            generated,
         )
         self.scheduler.note_advanced(batch, None)
         self.num_ahead_steps += 1
@@ -263,6 +297,9 @@ class Engine:
         """The host work of a step that ran ahead: its rows whose sequences still run (one
         that finished or was aborted since has had its final output) take their tokens."""
         tokens, batch = ahead.pending.wait(), ahead.batch
+        ended = []  # requests the rows ended: a finish drops the row's newest token
+        if ahead.generated is not None:
+            ended = self.handler_steps.rows.place_ahead(ahead.generated)
         seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
         none_finished = ahead.num_finished_at_launch == self.tokens.num_finished
         rows = (
@@ -283,7 +320,7 @@ class Engine:
             self._collect_outputs(batch, outputs, tokens if plain else None)
             return
         self.columns.reset()
-        for request in put_news_in_columns([s for _, s in items], outputs):
+        for request in put_news_in_columns([s for _, s in items], outputs) + ended:
             outputs.outputs.append(self._output(request))
 
     def _postprocess(
@@ -298,14 +335,12 @@ class Engine:
         for i in np.flatnonzero(after // size != before // size).tolist():
             self.blocks.register_computed(seqs[i])  # a block filled in this step
         live = list(enumerate(rows.logit_seqs))
-        if rows.custom_seqs:
-            self._run_custom(
-                result.hidden[torch.from_numpy(plan.custom_rows).to(result.hidden.device)],
-                rows.custom_seqs,
-            )
-            live = [(i, s) for i, s in live if s.request.error_code is None]  # the handler failed
+        if rows.custom_seqs or rows.generated_seqs:
+            self.handler_steps.run(result.hidden, rows, plan)
+            # the handler failed, or its should_stop ended the sequence
+            live = [(i, s) for i, s in live if s.request.error_code is None and not s.is_finished]
         advanced = self.tokens.sample(result.logits, live) if live else None
-        self._collect_custom()
+        self.handler_steps.collect()
         if (
             advanced is not None
             and not rows.custom_seqs
@@ -326,42 +361,6 @@ class Engine:
                 self.tokens.finish_scoring_only(request)
             outputs.outputs.append(self._output(request))
 
-    def _run_custom(self, hidden_rows: torch.Tensor, seqs: list[Sequence]) -> None:
-        """One handler call and one device-to-host copy for the step's rows; each request's
-        row is queued (copied) on the output dispatcher, collected by _collect_custom."""
-        try:
-            with self._handler_busy():
-                host = run_handler(self.handler, hidden_rows, self.custom_stats)
-        except CustomOutputError as e:
-            for seq in seqs:
-                self._fail(seq.request, EXECUTION_EXCEPTION, f"custom output processor failed: {e}")
-            return
-        for i, seq in enumerate(seqs):
-            rid = seq.request.request_id
-            future = self.dispatcher.submit(rid, encode_row, host.row(i), host.dtype)
-            self._custom_pending.append((seq, future))
-
-    def _collect_custom(self) -> None:
-        """Wait for this step's dispatched values (in queue order) before outputs are built."""
-        pending, self._custom_pending = self._custom_pending, []
-        for seq, future in pending:
-            try:
-                value = future.result()
-            except Exception as e:
-                self._fail(
-                    seq.request,
-                    EXECUTION_EXCEPTION,
-                    f"custom output processor failed: {type(e).__name__}: {e}",
-                )
-                continue
-            if seq.scoring_reason is None:
-                seq.request.custom_output = value
-            elif not seq.is_finished:  # LAST_GENERATED: scored, now it really finishes
-                seq.custom_output = value
-                if seq.hypothesis is not None:  # a fork scoring a finished beam
-                    seq.hypothesis.custom_output = value
-                self.tokens.finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
-
     def close(self) -> None:
         """Stop the output dispatcher's threads (the engine is not used afterwards)."""
         self.dispatcher.close()
@@ -378,6 +377,8 @@ class Engine:
 
     def _output(self, request: Request) -> RequestOutput:
         output = request_output(request, self.beams)
+        if request.selection is not None:
+            self.handler_steps.rows.count_sent(output)
         if output.finished:
             self.requests.pop(request.request_id, None)
         return output

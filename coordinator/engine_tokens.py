@@ -10,7 +10,6 @@ from tapserve.api.sampling_params import BatchDraw
 from tapserve.coordinator.beam_search import BeamSearch
 from tapserve.coordinator.blocks import BlockManager
 from tapserve.coordinator.config import EngineOptions
-from tapserve.coordinator.custom_outputs import LAST_GENERATED
 from tapserve.coordinator.sampler import Sampler, SampleRow
 from tapserve.coordinator.scheduler import Scheduler
 from tapserve.coordinator.sequence import Request, SeqStatus, Sequence, SequenceFactory
@@ -139,7 +138,7 @@ class TokenSteps:
         running, done = self.beams.step(
             request, beams, logits, self.options.eos_token_ids, self.options.max_model_len
         )
-        if request.custom_position == LAST_GENERATED:
+        if request.scores_generated:
             self._score_hypotheses(request, beams, before)
         if done:
             for seq in beams:
@@ -200,6 +199,8 @@ class TokenSteps:
         kept = kept_output_tokens(seq, self.text_decoder, final, left_out)
         if kept is None:
             return False
+        if seq.request.all_generated:  # rows go up to the token that completed the string
+            kept = seq.stop_detokenizer.num_tokens
         if kept:
             self.stop_cuts.append((seq, kept))
         self.finish_seq(seq, "stop", score=kept > 0)
@@ -248,7 +249,7 @@ class TokenSteps:
         stays running one more step, its last token computed for the handler, no logits."""
         request = seq.request
         return (
-            request.custom_position == LAST_GENERATED
+            request.scores_generated
             and request.params.num_beams == 1
             and seq.scoring_reason is None
             and seq.num_output_tokens > 0

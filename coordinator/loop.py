@@ -242,6 +242,10 @@ class CoordinatorLoop:
             custom_output_errors=e.custom_stats.errors,
             custom_output_selector_invalid=e.custom_stats.selector_invalid,
             custom_output_selector_errors=e.custom_stats.selector_errors,
+            custom_output_rows=e.custom_stats.rows_sent,
+            custom_output_bytes=e.custom_stats.bytes_sent,
+            custom_output_content_filter=e.custom_stats.content_filter,
+            custom_output_should_stop_errors=e.custom_stats.should_stop_errors,
             engine_steps=e.num_steps,
             engine_steps_ahead=e.num_ahead_steps,
         )

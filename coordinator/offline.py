@@ -28,10 +28,18 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     text: str | None = None
     custom_output: torch.Tensor | None = None  # LAST_GENERATED: this sequence's own value
+    # a multi-row selection: its prompt rows and its own, and each row's position in
+    # prompt + generated ids (None without rows)
+    custom_output_positions: list[int] | None = None
+    _rows: list[tuple[dict, list[int]]] = field(default_factory=list, repr=False)
 
 
 @dataclass
 class GenerationResult:
+    """One prompt's result. custom_output: the one-row value; for a multi-row selection its
+    prompt rows (each sequence's CompletionOutput has its whole value), with
+    custom_output_positions."""
+
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
@@ -39,6 +47,16 @@ class GenerationResult:
     num_cached_tokens: int = 0
     error_code: int | None = None
     error_message: str | None = None
+    custom_output_positions: list[int] | None = None
+    _prompt_rows: list[tuple[dict, list[int]]] = field(default_factory=list, repr=False)
+
+    def join_rows(self) -> None:
+        """Multi-row selections: each sequence's value, its prompt rows then its own."""
+        if not self._prompt_rows and not any(c._rows for c in self.outputs):
+            return
+        for c in self.outputs:
+            c.custom_output, c.custom_output_positions = _joined(self._prompt_rows + c._rows)
+        self.custom_output, self.custom_output_positions = _joined(self._prompt_rows)
 
     def accumulate(self, out: RequestOutput) -> None:
         for s in out.sequences:
@@ -53,6 +71,10 @@ class GenerationResult:
                 c.cumulative_logprob = s.cumulative_logprob
             if s.custom_output is not None:
                 c.custom_output = decode_value(s.custom_output)
+            if s.custom_rows is not None:  # (decoded once, joined: join_rows)
+                c._rows.append((s.custom_rows, s.custom_positions))
+        if out.custom_rows is not None:
+            self._prompt_rows.append((out.custom_rows, out.custom_positions))
         if out.custom_output is not None:
             if self.custom_output is None:  # it rides on every later output: decode it once
                 self.custom_output = decode_value(out.custom_output)
@@ -127,6 +149,7 @@ class LLM:
         """Each output's text, written as the API process writes it (its detokenizer, but
         no stop strings), and no cumulative log-probability where none was computed (as
         vLLM: None)."""
+        result.join_rows()
         for o in result.outputs:
             if not p.logprobs and p.num_beams == 1:
                 o.cumulative_logprob = None
@@ -181,6 +204,19 @@ class LLM:
             self.engine.abort_request(rid)
         while self.engine.has_work():
             self.engine.step()
+
+
+def _joined(parts: list[tuple[dict, list[int]]]) -> tuple[torch.Tensor | None, list[int] | None]:
+    """Wire row deltas and their positions, concatenated (None, None for none)."""
+    if not parts:
+        return None, None
+    first = parts[0][0]
+    value = {
+        "dtype": first["dtype"],
+        "shape": [sum(v["shape"][0] for v, _ in parts), *first["shape"][1:]],
+        "data": b"".join(v["data"] for v, _ in parts),
+    }
+    return decode_value(value), [p for _, ps in parts for p in ps]
 
 
 def _load_tokenizer(config: EngineConfig) -> TextTokenizer | None:

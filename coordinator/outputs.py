@@ -21,6 +21,8 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
         ]
     elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
         outs = beams.final_outputs(request) if finished else []
+    elif request.selection is not None:
+        outs = [row_sequence_output(s, params.logprobs) for s in seqs]
     else:
         outs = [sequence_output(s, params.logprobs) for s in seqs]
     # positional, in RequestOutput's field order
@@ -37,7 +39,28 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
     )
     if request.custom_output_skipped:  # its selected prompt token came from the prefix cache
         output.custom_output_omitted = "prefix_reuse"
+    if request.prompt_rows:
+        output.custom_rows, output.custom_positions = request.prompt_rows.take()
     return output
+
+
+def row_sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
+    """sequence_output for a multi-row request: the tokens whose rows are computed, with
+    those rows (and, once flagged, the flagged token's row alone)."""
+    start, end = seq.num_emitted_tokens, seq.num_sendable
+    seq.num_emitted_tokens = end
+    first = seq.num_prompt_tokens
+    out = SequenceOutput(
+        seq.index,
+        seq.token_ids[first + start : first + end],
+        seq.logprobs[start:end] if with_logprobs else None,
+        seq.top_logprobs[start:end] if with_logprobs else None,
+        seq.finish_reason,
+        seq.cumulative_logprob,
+    )
+    if seq.rows:
+        out.custom_rows, out.custom_positions = seq.rows.take()
+    return out
 
 
 def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:

@@ -13,10 +13,19 @@ from tapserve.ranks.plan import PlanMessage, StepKind, StepPlan
 
 @dataclass
 class PlanRows:
-    """Which sequences own the plan's logit rows and custom rows, in row order."""
+    """Which sequences own the plan's logit rows and custom rows, in row order, and each
+    custom row's position in its sequence's prompt + generated ids."""
 
     logit_seqs: list[Sequence] = field(default_factory=list)
     custom_seqs: list[Sequence] = field(default_factory=list)
+    custom_positions: list[int] = field(default_factory=list)
+    # a plain decode plan's ALL_GENERATED rows (int64 row indices) and their sequences: each
+    # row's hidden state is its newest token's handler row (not in plan.custom_rows)
+    generated: np.ndarray = field(default_factory=lambda: _NONE)
+    generated_seqs: list[Sequence] = field(default_factory=list)
+
+
+_NONE = np.zeros(0, np.int64)
 
 
 def needs_custom_row(seq: Sequence, start: int, n: int) -> bool:
@@ -36,6 +45,26 @@ def scores_last_token(seq: Sequence, start: int, n: int) -> bool:
     return seq.scoring_reason is not None and start + n == seq.num_tokens
 
 
+def custom_positions(seq: Sequence, start: int, n: int) -> list[int]:
+    """The positions in [start, start + n) whose hidden states go to the handler, ascending."""
+    req = seq.request
+    if req.selection is None:
+        found = [req.custom_position] if needs_custom_row(seq, start, n) else []
+        return found + ([start + n - 1] if scores_last_token(seq, start, n) else [])
+    if req.error_code is not None:
+        return []
+    found = []
+    prompt = req.selection.prompt
+    if req.next_prompt_row < len(prompt) and seq is req.sequences[0] and not req.forked:
+        found = [p for p in prompt[req.next_prompt_row :] if start <= p < start + n]
+    if req.all_generated:
+        first = max(start, seq.num_prompt_tokens + seq.num_scored)
+        found += range(first, start + n)
+    elif scores_last_token(seq, start, n):
+        found.append(start + n - 1)
+    return found
+
+
 TABLE_WIDTH_STEP = 16  # advanced plans' block tables: a multiple of this many columns
 
 
@@ -45,6 +74,7 @@ class _Advanceable:
 
     serial: int  # of the batch it was built for
     plan: StepPlan
+    rows: PlanRows
     stamps: list[int]  # the rows' table stamps, as its block tables hold them
     advanced: bool  # built by advancing: the block-table buffer has not seen its tables
 
@@ -77,8 +107,9 @@ class Planner:
             and len(batch.seqs) == last.plan.num_seqs
         ):  # (follows promises the same rows)
             plan = self._advance(last.plan, batch)
-            self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, True)
-            return plan, PlanRows(list(batch.seqs), [])
+            rows = PlanRows(list(batch.seqs), [], [], last.rows.generated, last.rows.generated_seqs)
+            self._advanceable = _Advanceable(batch.serial, plan, rows, batch.table_stamps, True)
+            return plan, rows
         if last is not None and last.advanced:  # the buffer lags behind the advanced tables
             plan = last.plan
             self.tables.adopt(
@@ -97,7 +128,9 @@ class Planner:
                 plan = PlanMessage(plan, self._table_width(tables.shape[1]), spare).plan(
                     plan.kind, ids_from_rank0=plan.ids_from_rank0
                 )
-                self._advanceable = _Advanceable(batch.serial, plan, batch.table_stamps, False)
+                self._advanceable = _Advanceable(
+                    batch.serial, plan, rows, batch.table_stamps, False
+                )
             return plan, rows
         one_token = np.asarray(counts) == 1
         decoding = one_token & (context_lens == np.asarray([len(s.token_ids) for s in seqs]))
@@ -161,15 +194,14 @@ def _mixed_plan(
             table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
         ]
         query_start.append(offset + n)
-        if scores_last_token(seq, start, n):
-            custom_rows.append(offset + n - 1)
+        if start + n == seq.num_tokens and seq.scoring_reason is None:
+            if seq.request.params.max_new_tokens > 0:
+                logit_rows.append(offset + n - 1)
+                rows.logit_seqs.append(seq)
+        for p in custom_positions(seq, start, n):
+            custom_rows.append(offset + p - start)
             rows.custom_seqs.append(seq)
-        elif start + n == seq.num_tokens and seq.request.params.max_new_tokens > 0:
-            logit_rows.append(offset + n - 1)
-            rows.logit_seqs.append(seq)
-        if needs_custom_row(seq, start, n):
-            custom_rows.append(offset + seq.request.custom_position - start)
-            rows.custom_seqs.append(seq)
+            rows.custom_positions.append(p)
     plan = StepPlan(
         kind=kind,
         input_ids=np.asarray(ids, np.int64),
@@ -316,17 +348,18 @@ def _decode_rows(
     scoring-only request (max_new_tokens = 0); a prompt's last token may also be a custom row.
     every_row: arange(len(seqs)), int64."""
     if not has_special_rows:
-        return PlanRows(list(seqs), []), every_row, np.zeros(0, np.int64)
+        generated = [i for i, s in enumerate(seqs) if s.request.all_generated]
+        rows = PlanRows(list(seqs), [], [], _NONE, [seqs[i] for i in generated])
+        if generated:
+            rows.generated = every_row if len(generated) == len(seqs) else np.array(generated)
+        return rows, every_row, _NONE
     rows, logit_rows, custom_rows = PlanRows(), [], []
     for i, s in enumerate(seqs):
-        if s.scoring_reason is not None:
-            custom_rows.append(i)
-            rows.custom_seqs.append(s)
-            continue
-        if s.request.params.max_new_tokens > 0:
+        if s.scoring_reason is None and s.request.params.max_new_tokens > 0:
             logit_rows.append(i)
             rows.logit_seqs.append(s)
-        if needs_custom_row(s, s.num_computed_tokens, 1):
+        for p in custom_positions(s, s.num_computed_tokens, 1):
             custom_rows.append(i)
             rows.custom_seqs.append(s)
+            rows.custom_positions.append(p)
     return rows, np.asarray(logit_rows, np.int64), np.asarray(custom_rows, np.int64)

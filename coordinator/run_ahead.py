@@ -52,6 +52,17 @@ class TokenCopies:
 
 
 @dataclass
+class AheadRows:
+    """A launched step's ALL_GENERATED rows: their sequences and positions, and the handler's
+    output on its way to the host (or why the handler failed)."""
+
+    seqs: list
+    positions: list[int]
+    pending: object | None  # handler_rows.PendingRows
+    error: str | None = None
+
+
+@dataclass
 class AheadStep:
     """A launched decode step whose host work waits for the next step's launch."""
 
@@ -61,6 +72,7 @@ class AheadStep:
     draw: BatchDraw  # a fast draw (ahead_draw)
     row_params: list | None  # per row: temperatures (TEMPERATURE), SamplingParams (PLAIN)
     num_finished_at_launch: int  # the engine's finish count then: unchanged, every row runs
+    generated: AheadRows | None = None  # its ALL_GENERATED rows
 
 
 def ahead_draw(batch: ScheduledBatch) -> BatchDraw | None:

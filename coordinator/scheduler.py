@@ -8,6 +8,7 @@ decode step is scheduled from arrays kept across steps (docs/async_scheduling.md
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from tapserve.coordinator.blocks import BlockManager
 from tapserve.coordinator.scheduled_batch import ScheduledBatch, is_special_row
-from tapserve.coordinator.sequence import LAST_GENERATED, Request, SeqStatus, Sequence
+from tapserve.coordinator.sequence import Request, SeqStatus, Sequence
 
 
 @dataclass
@@ -226,7 +227,7 @@ class Scheduler:
 
     def _scoring_forks(self, request: Request) -> list[Sequence]:
         """A beam request's running forks that score finished hypotheses (LAST_GENERATED)."""
-        if request.custom_position != LAST_GENERATED:
+        if not request.scores_generated:
             return []
         return [s for s in self.running if s.request is request and s.scoring_reason is not None]
 
@@ -344,10 +345,21 @@ class Scheduler:
                 request.num_cached_tokens, request.admitted = cached, True
             if 0 <= request.custom_position < cached and request.custom_output is None:
                 request.custom_output_skipped = True
+            if request.selection is not None:
+                _omit_cached_rows(request, cached)
         if request.max_rows > 1:
             self._wide[id(request)] = request
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+
+
+def _omit_cached_rows(request: Request, cached: int) -> None:
+    """Selected prompt positions the prefix cache covered get no row (`omit`; `recompute`
+    capped reuse below them)."""
+    first_uncached = bisect.bisect_left(request.selection.prompt, cached)
+    if first_uncached > request.next_prompt_row:
+        request.next_prompt_row = first_uncached
+        request.custom_output_skipped = True
 
 
 @dataclass

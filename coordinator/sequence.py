@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from tapserve.api.sampling_params import BatchDraw, SamplingParams
-from tapserve.model.custom_output import CustomOutputHandler
-
-LAST_GENERATED = CustomOutputHandler.LAST_GENERATED  # each sequence's last generated token
+from tapserve.coordinator.row_selection import LAST_GENERATED, PendingRows, RowSelection
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +46,19 @@ class Sequence:
     hypothesis: object | None = None  # beam search: the finished Hypothesis this fork scores
     # rank 0's stop-string detokenizer (coordinator/stop_strings.py), for LAST_GENERATED only
     stop_detokenizer: object | None = field(default=None, repr=False)
+    # a multi-row selection: this sequence's generated-token rows not sent yet (a beam's: all
+    # of its history), and how many output tokens have their row (ALL_GENERATED)
+    rows: PendingRows = field(default_factory=PendingRows, repr=False)
+    num_scored: int = 0
+    flagged: bool = False  # its last token's row made the head's should_stop fire
+
+    @property
+    def num_sendable(self) -> int:
+        """Output tokens that may be sent: with ALL_GENERATED, those whose row is computed
+        (a flagged token never)."""
+        if self.request.all_generated:
+            return self.num_scored - self.flagged
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +84,12 @@ class Request:
     params: SamplingParams
     arrival_order: int
     custom_position: int = -1  # selected prompt token, -1: none, -2: last generated (per sequence)
+    # a multi-row selection (the selector returned a list); custom_position stays -1
+    selection: RowSelection | None = None
+    custom_output_params: dict | None = None  # the request's, for should_stop
+    all_generated: bool = False  # selection holds ALL_GENERATED: every generated token's row
+    next_prompt_row: int = 0  # selection.prompt[next_prompt_row:] have no row yet
+    prompt_rows: PendingRows = field(default_factory=PendingRows, repr=False)  # not sent yet
     reuse_cap_tokens: int | None = None  # prefix reuse must stop below this many tokens
     custom_output: dict | None = None  # {"dtype", "shape", "data"} once computed
     custom_output_skipped: bool = False  # selected token came from the prefix cache (omit)
@@ -98,13 +115,20 @@ class Request:
     error_message: str | None = None
 
     @property
+    def scores_generated(self) -> bool:
+        """Its sequences get rows of generated tokens: a finishing one computes its last."""
+        return self.custom_position == LAST_GENERATED or (
+            self.selection is not None and self.selection.generated is not None
+        )
+
+    @property
     def max_rows(self) -> int:
         """The most sequences it runs in one step: n samples, or its beams (twice as many when
         forks score finished hypotheses); 1 for scoring only."""
         if self.params.max_new_tokens == 0:
             return 1
         if self.params.num_beams > 1:
-            return self.params.num_beams * (2 if self.custom_position == LAST_GENERATED else 1)
+            return self.params.num_beams * (2 if self.scores_generated else 1)
         return self.params.n
 
     @property
@@ -147,5 +171,7 @@ class SequenceFactory:
             logprobs=list(parent.logprobs),
             top_logprobs=list(parent.top_logprobs),
             num_emitted_tokens=parent.num_emitted_tokens,
+            rows=parent.rows.copy(),
+            num_scored=parent.num_scored,
         )
         return child

@@ -90,9 +90,9 @@ def build_engine(
     """Rank 0 only: the coordinator's engine around this rank's runner (and the handler).
     text_decoder: the serving tokenizer (see Engine)."""
     model_cfg = runner.model_cfg
-    handler = None
+    handler, row_bytes = None, 0
     if config.custom_module:
-        handler = build_handler(
+        handler, row_bytes = build_handler(
             config.custom_module,
             runner.cfg.model_dir,
             runner.device,
@@ -108,6 +108,8 @@ def build_engine(
         custom_output_reuse=config.custom_output_reuse,
         seed=config.seed,
         output_workers=config.output_workers,
+        max_custom_output_bytes=config.max_custom_output_bytes,
+        custom_row_bytes=row_bytes,
         async_scheduling=config.async_scheduling,
     )
     keepalive = None

@@ -8,17 +8,12 @@ kept token in the next step (docs/custom_output.md).
 from __future__ import annotations
 
 from tapserve.api.detokenizer import Decoder, IncrementalDetokenizer, StopChecker, prompt_context
-from tapserve.coordinator.custom_outputs import LAST_GENERATED
 from tapserve.coordinator.sequence import Request, Sequence
 
 
 def watches_stop_strings(request: Request, decoder: Decoder | None) -> bool:
     """Whether rank 0 must detect this request's stop strings (see the module docstring)."""
-    return (
-        decoder is not None
-        and bool(request.params.stop)
-        and request.custom_position == LAST_GENERATED
-    )
+    return decoder is not None and bool(request.params.stop) and request.scores_generated
 
 
 def kept_output_tokens(
@@ -65,3 +60,5 @@ def truncate_output(seq: Sequence, kept: int) -> None:
     del seq.logprobs[kept:]
     del seq.top_logprobs[kept:]
     seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+    seq.num_scored = min(seq.num_scored, kept)
+    seq.rows.drop_from(seq.num_prompt_tokens + kept)

@@ -8,6 +8,7 @@ from tapserve.api.sampling_params import SamplingParams
 from tapserve.api.wire import INVALID_PARAMS
 from tapserve.coordinator.blocks import BlockManager
 from tapserve.coordinator.custom_outputs import RequestError
+from tapserve.coordinator.row_selection import RowSelection
 
 if TYPE_CHECKING:
     from tapserve.coordinator.config import EngineOptions
@@ -73,4 +74,21 @@ def validate_rows(request_rows: int, params: SamplingParams, options: EngineOpti
             f"sequences at once; the server runs at most {limit} "
             f"(--max-num-seqs)",
             field,
+        )
+
+
+def validate_row_bytes(
+    selection: RowSelection, params: SamplingParams, options: EngineOptions
+) -> None:
+    """605 for a multi-row selection whose rows could exceed --max-custom-output-bytes: rows
+    x the dry run's row bytes x max(n, beams)."""
+    rows = selection.max_rows(params.max_new_tokens)
+    worst = rows * options.custom_row_bytes * max(params.n, params.num_beams)
+    if worst > options.max_custom_output_bytes:
+        raise RequestError(
+            INVALID_PARAMS,
+            f"custom output rows could take {worst} bytes ({rows} rows of "
+            f"{options.custom_row_bytes} bytes x {max(params.n, params.num_beams)} sequences), "
+            f"over --max-custom-output-bytes {options.max_custom_output_bytes}",
+            "custom_output_params",
         )

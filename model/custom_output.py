@@ -30,24 +30,33 @@ ALLOWED_DTYPES = {
 
 
 class CustomOutputHandler(abc.ABC):
-    """Base class for deployment heads run on one selected prompt token per request.
-    Subclasses must define forward(); the other methods have working defaults."""
+    """Base class for deployment heads run on the tokens a selector picks per request.
+    Subclasses must define forward(); the other methods have working defaults. A head may
+    also define `should_stop(outputs, params) -> Tensor`: bool [rows], given forward's output
+    for a step's ALL_GENERATED rows and each row's custom_output_params; True ends that
+    sequence at that token with finish_reason "content_filter"."""
 
     NO_OUTPUT = -1
     LAST_GENERATED = -2  # score each sequence's last generated token when it finishes
+    ALL_GENERATED = -3  # in a list only: a row for every generated token of each sequence
     # optional: the names of a [rows, width] output's columns (`width` names), or one name
     # for a [rows] output; checked against the dry run, listed in /v1/models
     labels: str | list[str] | tuple[str, ...] | None = None
 
-    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
+    def select_token_position(self, input_ids: list[int], params: dict | None) -> int | list[int]:
         """Once per request on rank 0, after tokenization / chat templating. Zero-based index
         into input_ids, -1 for no custom output, or -2 (LAST_GENERATED) for each sequence's
-        last generated token. Raise ValueError for bad params (605).
+        last generated token; or a list (a multi-row selection): distinct prompt positions
+        plus at most one of -2 / -3 (ALL_GENERATED). Raise ValueError for bad params (605).
 
-        Default: `params["position"]` when given (an int, else ValueError), else the last
-        prompt token. Range checks are the engine's (outside [-1, len) -> 605)."""
+        Default: `params["position"]` when given (an int or a list of them, else
+        ValueError), else the last prompt token. Range checks are the engine's (605)."""
         if params and "position" in params:
             position = params["position"]
+            if isinstance(position, list):
+                if not all(isinstance(p, int) and not isinstance(p, bool) for p in position):
+                    raise ValueError(f"position must be a list of integers, got {position!r}")
+                return list(position)
             if not isinstance(position, int) or isinstance(position, bool):
                 raise ValueError(f"position must be an integer, got {position!r}")
             return position

@@ -285,9 +285,9 @@ def test_a_handler_exiting_is_606_not_a_stopped_server(error) -> None:
     from tapserve.coordinator.custom_outputs import (
         CustomOutputStats,
         RequestError,
-        run_handler,
         select_position,
     )
+    from tapserve.coordinator.handler_rows import run_handler
     from tapserve.model.custom_output import CustomOutputError
 
     handler = _ExitingHandler(error)

@@ -32,7 +32,7 @@ class LabelledHead:
 def build(tmp_path: Path, labels: object, shape: str) -> object:
     module = tmp_path / "labelled_head.py"
     module.write_text(HEAD.format(labels=labels, shape=shape))
-    return build_handler(str(module), None, torch.device("cpu"), torch.float32, HIDDEN)
+    return build_handler(str(module), None, torch.device("cpu"), torch.float32, HIDDEN)[0]
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ def checkpoint(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def build(spec: str, model_dir: Path | None) -> object:
-    return build_handler(spec, model_dir, torch.device("cpu"), torch.float32, HIDDEN)
+    return build_handler(spec, model_dir, torch.device("cpu"), torch.float32, HIDDEN)[0]
 
 
 def test_weights_not_found_lists_paths_tensors_and_the_closest_name(tmp_path) -> None:

@@ -177,6 +177,27 @@ class ProbeHead(CustomOutputHandler):
         return out
 
 
+class StopProbe(ProbeHead):
+    """ProbeHead whose should_stop fires on a row whose column 0 reaches the request's
+    params["threshold"] (no threshold: never); `stop_calls` records each call's rows;
+    `stop_mode`: "ok", "raise", "float" (a float tensor) or "short" (one row too few)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_calls: list[int] = []
+        self.stop_mode = "ok"
+
+    def should_stop(self, outputs: torch.Tensor, params: list[dict | None]) -> torch.Tensor:
+        self.stop_calls.append(outputs.shape[0])
+        if self.stop_mode == "raise":
+            raise RuntimeError("injected should_stop failure")
+        limits = [(p or {}).get("threshold", float("inf")) for p in params]
+        flags = outputs[:, 0] >= torch.tensor(limits, device=outputs.device)
+        if self.stop_mode == "float":
+            return flags.float()
+        return flags[1:] if self.stop_mode == "short" else flags
+
+
 def with_special_values(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """base [rows, 3] float32 -> [rows, 3 + k] in dtype: the (cast) head values, then values
     whose bit patterns must survive exactly (NaN, +-inf, -0.0, the smallest subnormal, max)."""

@@ -166,8 +166,21 @@ def check_plan(
     want, want_rows = _mixed_plan(
         batch, plan.kind, block_size, tables, np.asarray(batch.context_lens, np.int32)
     )
+    # a plain decode plan's ALL_GENERATED rows are not in plan.custom_rows but rows.generated
+    handler_rows = sorted(
+        zip(
+            np.concatenate([plan.custom_rows, rows.generated]).tolist(),
+            [
+                *rows.custom_seqs,
+                *rows.generated_seqs,
+            ],
+        ),
+        key=lambda pair: pair[0],
+    )
     for name in _ARRAY_FIELDS:
         got, ref = getattr(plan, name), getattr(want, name)
+        if name == "custom_rows":
+            got = np.array([i for i, _ in handler_rows], np.int64)
         if name == "block_tables":  # may be zero-padded (advanced plans)
             assert got.shape[1] >= ref.shape[1] and not got[:, ref.shape[1] :].any(), "padding"
             got = got[:, : ref.shape[1]]
@@ -175,7 +188,8 @@ def check_plan(
             f"plan.{name}: {got.tolist()} != {ref.tolist()}"
         )
     assert list(map(id, rows.logit_seqs)) == list(map(id, want_rows.logit_seqs)), "logit rows"
-    assert list(map(id, rows.custom_seqs)) == list(map(id, want_rows.custom_seqs)), "custom rows"
+    want_custom = list(map(id, want_rows.custom_seqs))
+    assert [id(seq) for _, seq in handler_rows] == want_custom, "custom rows"
     if plan.wire is not None:
         check_wire(plan)
 
@@ -203,6 +217,9 @@ def check_ahead_plan(
         assert table[:width].tolist() == s.block_table and not table[width:].any(), "table"
     assert plan.query_start_loc.tolist() == list(range(len(seqs) + 1))
     assert not plan.custom_rows.size and not plan.block_copies.size
+    generated = [i for i, s in enumerate(seqs) if s.request.all_generated]
+    assert rows.generated.tolist() == generated, "ALL_GENERATED rows"
+    assert list(map(id, rows.generated_seqs)) == [id(seqs[i]) for i in generated]
     assert plan.ids_from_rank0, "an ahead plan's ids come from rank 0's device"
     if plan.wire is not None:  # advanced in place: its (re-sealed) message says so too
         check_wire(plan)

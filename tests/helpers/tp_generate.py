@@ -73,8 +73,15 @@ def record(results: dict, out: RequestOutput) -> None:
         r.setdefault("top_logprobs", []).extend(s.new_top_logprobs or [])
         if s.custom_output is not None:  # LAST_GENERATED: one value per sequence
             r.setdefault("seq_custom_output", {})[str(s.index)] = s.custom_output["data"].hex()
+        if s.custom_rows is not None:  # multi-row selections: deltas with their positions
+            rows = r.setdefault("seq_rows", {}).setdefault(str(s.index), [])
+            rows.append([s.custom_rows["data"].hex(), s.custom_positions])
     if out.custom_output is not None:
         r["custom_output"] = {**out.custom_output, "data": out.custom_output["data"].hex()}
+    if out.custom_rows is not None:
+        r.setdefault("prompt_rows", []).append(
+            [out.custom_rows["data"].hex(), out.custom_positions]
+        )
     r["cached"] = out.num_cached_tokens
 
 

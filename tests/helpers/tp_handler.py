@@ -18,8 +18,11 @@ class RecordingHead:
         with open(self.log, "a") as f:
             f.write(line + "\n")
 
-    def select_token_position(self, input_ids: list[int], params: dict | None) -> int:
-        return int(params["position"]) if params else len(input_ids) - 1
+    def select_token_position(self, input_ids: list[int], params: dict | None) -> int | list:
+        if not params:
+            return len(input_ids) - 1
+        position = params["position"]
+        return list(position) if isinstance(position, list) else int(position)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.weight is None:

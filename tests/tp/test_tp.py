@@ -363,6 +363,10 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
             "256",
             "--out",
             str(out),
+            "--copy-bytes",
+            str(1 << 20),
+            "--gemm-size",
+            "64",
         ],
         cwd=ROOT,
         env=_env(),
@@ -391,8 +395,11 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
         kv_read = r["batch1_read_bytes_per_rank"] - r["weight_bytes_per_rank"]
         assert kv_read == r["batch1_mean_context"] * per_token
         assert r["per_gpu_bandwidth_efficiency"] == round(
-            r["batch1_read_bytes_per_rank"] / 4.3e12 / (r["batch1_decode_ms"] / 1e3), 3
+            r["batch1_read_bytes_per_rank"] / r["copy_bytes_per_s"] / (r["batch1_decode_ms"] / 1e3),
+            3,
         )
+        # B measured in the same run (bench/roofline.py), recorded with the device's name
+        assert r["copy_bytes_per_s"] > 0 and r["device_name"].startswith("cpu")
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -415,3 +422,56 @@ def test_bench_weight_bytes_leave_out_an_untied_embedding(tied):
     expected = every if tied else every - embed.numel() * embed.element_size()
     assert weight_bytes(SimpleNamespace(model=model, model_cfg=cfg)) == expected
     assert (model.lm_head.weight is embed) == tied
+
+
+def _rows(deltas: list) -> tuple[list[int], object]:
+    """Concatenated [hex rows, positions] deltas -> (positions, [k, 3] float32 rows)."""
+    import torch
+
+    data = b"".join(bytes.fromhex(h) for h, _ in deltas)
+    rows = torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(-1, 3)
+    return [p for _, ps in deltas for p in ps], rows
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "ahead"])
+def test_tp2_many_rows_match_tp1_and_transformers(tmp_path, async_scheduling):
+    """Prompt positions plus every generated token (-3) under TP 2: the same tokens and rows
+    as TP 1, each row the head on transformers' final hidden state at its position."""
+    import torch
+
+    from tests.helpers.custom import Reference
+
+    ckpt = make_tiny_checkpoint(tmp_path / "mr", "qwen3")
+    greedy = {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True}
+    sampled = {"max_new_tokens": 5, "temperature": 0.8, "seed": 3, "n": 2, "ignore_eos": True}
+    reqs = _requests([12, 25], greedy) + _requests([17], sampled, seed=1)
+    for r, sel in zip(reqs, ([-3], [0, 24, -3], [4, -3])):
+        r["custom_output_params"] = {"position": sel}
+    engine = {
+        "model": str(ckpt),
+        "custom_module": "tests.helpers.tp_handler:RecordingHead",
+        "async_scheduling": async_scheduling,
+    }
+    spec = {"engine": engine, "requests": reqs}
+    log = tmp_path / "mr.log"
+    one = run_tp(tmp_path, "mr", spec, 1, TAPSERVE_TEST_HANDLER_LOG=str(log))
+    two = run_tp(tmp_path, "mr", spec, 2, TAPSERVE_TEST_HANDLER_LOG=str(log))
+    assert (two["_ahead_steps"] > 0) == async_scheduling
+    reference = Reference(ckpt)
+    weight = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))  # RecordingHead's
+    for i, req in enumerate(reqs):
+        a, b = one[str(i)], two[str(i)]
+        assert a["tokens"] == b["tokens"]
+        for k, tokens in b["tokens"].items():
+            deltas = b.get("prompt_rows", []) + b["seq_rows"][k]
+            positions, rows = _rows(deltas)
+            one_positions, one_rows = _rows(a.get("prompt_rows", []) + a["seq_rows"][k])
+            prompt_rows = [p for p in req["custom_output_params"]["position"] if p >= 0]
+            n = len(req["prompt"])
+            assert (
+                positions == one_positions == sorted(prompt_rows) + list(range(n, n + len(tokens)))
+            )
+            torch.testing.assert_close(rows, one_rows, atol=1e-4, rtol=1e-4)
+            hidden = reference.final_hidden(req["prompt"] + tokens)[positions]
+            torch.testing.assert_close(rows, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+    assert all("rank=0" in line for line in log.read_text().splitlines())

@@ -1,0 +1,148 @@
+"""Rank 0's side of multi-row selections after a step's handler call: prompt rows to their
+request, generated-token rows to their sequence, and the head's should_stop (DESIGN.md
+"Custom outputs over many tokens")."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tapserve.api.wire import EXECUTION_EXCEPTION, RequestOutput
+from tapserve.coordinator.beam_search import BeamState, Hypothesis, length_normalized
+from tapserve.coordinator.custom_outputs import CustomOutputStats
+from tapserve.coordinator.engine_tokens import TokenSteps
+from tapserve.coordinator.handler_rows import HostRows
+from tapserve.coordinator.run_ahead import AheadRows
+from tapserve.coordinator.sequence import Request, Sequence
+
+CONTENT_FILTER = "content_filter"  # OpenAI's finish_reason for a head-driven stop
+
+
+class RowSteps:
+    """Places a step's rows of multi-row requests and finishes the sequences they end."""
+
+    def __init__(
+        self,
+        tokens: TokenSteps,
+        stats: CustomOutputStats,
+        fail: Callable[[Request, int, str], None],
+    ):
+        """fail(request, code, message): the engine's, to end a request with an error."""
+        self.tokens, self.stats, self.fail = tokens, stats, fail
+
+    @staticmethod
+    def stop_rows(seqs: list[Sequence], positions: list[int]) -> list[int]:
+        """The step's ALL_GENERATED rows (indices into the step's custom rows): those
+        should_stop sees."""
+        return [
+            i
+            for i, (seq, p) in enumerate(zip(seqs, positions))
+            if seq.request.all_generated and p >= seq.num_prompt_tokens
+        ]
+
+    def place(
+        self,
+        host: HostRows,
+        seqs: list[Sequence],
+        positions: list[int],
+        multi: list[int],
+        stop_rows: list[int],
+    ) -> None:
+        """Give rows `multi` (indices into the step's custom rows) to their requests and
+        sequences; apply should_stop's answers for `stop_rows`; finish the sequences whose
+        last token was scored."""
+        array, dtype = host.array, host.dtype
+        for i in multi:
+            seq, position = seqs[i], positions[i]
+            request = seq.request
+            if request.error_code is not None or seq.is_finished:
+                continue
+            if position < seq.num_prompt_tokens:
+                request.prompt_rows.add(position, array[i], dtype)
+                request.next_prompt_row += 1
+            elif not request.all_generated:
+                seq.rows.add(position, array[i], dtype)
+            elif position == seq.num_prompt_tokens + seq.num_scored:  # (each row once)
+                seq.rows.add(position, array[i], dtype)
+                seq.num_scored += 1
+        if stop_rows and host.stop_error is not None:
+            self._fail_all(seqs, stop_rows, f"custom output should_stop failed: {host.stop_error}")
+        elif host.stops is not None:
+            for k in host.stops.nonzero()[0].tolist():
+                i = stop_rows[k]
+                self._flag(seqs[i], positions[i])
+        for i in multi:
+            seq = seqs[i]
+            if seq.scoring_reason is not None and positions[i] == seq.num_tokens - 1:
+                self._finish_scored(seq)
+
+    def place_ahead(self, rows: AheadRows) -> list[Request]:
+        """A run-ahead step's ALL_GENERATED rows, now home (each its sequence's newest scored
+        token); those of sequences that finished since the launch are dropped. Returns the
+        requests these rows ended (closing rows, should_stop, 606s): they need an output."""
+        every = list(range(len(rows.seqs)))
+        running = [s for s in rows.seqs if not s.is_finished]
+        if rows.error is not None:
+            self._fail_all(rows.seqs, every, f"custom output processor failed: {rows.error}")
+        else:
+            self.place(rows.pending.wait(), rows.seqs, rows.positions, every, every)
+        return [s.request for s in running if s.is_finished]
+
+    def _fail_all(self, seqs: list[Sequence], rows: list[int], message: str) -> None:
+        """606 for the running requests of these rows."""
+        for request in {seqs[i].request: None for i in rows if not seqs[i].is_finished}:
+            if request.error_code is None:
+                self.fail(request, EXECUTION_EXCEPTION, message)
+
+    def _flag(self, seq: Sequence, position: int) -> None:
+        """End seq at the token at `position`: "content_filter"; later tokens discarded."""
+        if seq.is_finished or seq.request.error_code is not None:
+            return
+        if seq.request.params.num_beams > 1:
+            self._flag_beam(seq)
+            return
+        kept = position + 1 - seq.num_prompt_tokens  # output tokens, the flagged one included
+        del seq.token_ids[position + 1 :]
+        del seq.logprobs[kept:]
+        del seq.top_logprobs[kept:]
+        seq.flagged, seq.scoring_reason = True, None
+        self.stats.content_filter += 1
+        self.tokens.finish_seq(seq, CONTENT_FILTER)
+
+    def _flag_beam(self, seq: Sequence) -> None:
+        """A flagged beam (its newest token's row) ends as a finished hypothesis without that
+        token; a flagged fork scoring a hypothesis makes it one."""
+        request, hypothesis = seq.request, seq.hypothesis
+        if hypothesis is None:
+            p = request.params
+            score = length_normalized(
+                seq.cumulative_logprob, seq.num_output_tokens, p.length_penalty
+            )
+            hypothesis = Hypothesis(score, seq.output_token_ids[:-1], CONTENT_FILTER)
+            state = request.beam_state = request.beam_state or BeamState()
+            state.finished = sorted([*state.finished, hypothesis], key=lambda h: -h.score)
+            del state.finished[p.num_beams :]
+        else:
+            hypothesis.token_ids = hypothesis.token_ids[:-1]
+            hypothesis.finish_reason = CONTENT_FILTER
+        hypothesis.rows = seq.rows.copy()
+        seq.flagged, seq.scoring_reason = True, None
+        self.stats.content_filter += 1
+        self.tokens.finish_seq(seq, CONTENT_FILTER, emit=seq.hypothesis is None)
+
+    def _finish_scored(self, seq: Sequence) -> None:
+        """A finishing sequence's last token has its row: it really finishes now."""
+        if seq.is_finished:
+            return
+        if seq.hypothesis is not None:  # a fork scoring a finished beam
+            seq.hypothesis.rows = seq.rows.copy()
+        self.tokens.finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
+
+    def count_sent(self, output: RequestOutput) -> None:
+        """Add an output's rows and bytes to the metrics."""
+        values = [(output.custom_rows, output.custom_positions)] + [
+            (s.custom_rows, s.custom_positions) for s in output.sequences
+        ]
+        for value, positions in values:
+            if value is not None:
+                self.stats.rows_sent += len(positions)
+                self.stats.bytes_sent += len(value["data"])

@@ -1,0 +1,130 @@
+"""bench/serve.py: the nano-vllm workload as bench/offline.py makes it, a request-rate sweep
+against a server it starts (the demo model on the CPU, a head on each request's last prompt
+token, the client pinned to a core of its own), and its count of SSE events carrying tokens
+against the tokens each event's logprobs list on a live server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.register_assert_rewrite("tests.helpers.api")
+from tests.helpers.api import free_port, sse_events, sse_json  # noqa: E402
+
+pytest_plugins = ["tests.helpers.api"]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_nano_vllm_workload_is_bench_offline_s():
+    """The requests, token for token, and DESIGN.md's totals (142,827 in, 133,966 out)."""
+    from tapserve.bench import offline, serve
+
+    items = serve.workload(serve.parse_args(["--workload", "nano-vllm"]))
+    prompts, params = offline.workload(256, 1024, 1024)
+    assert [prompt for prompt, _ in items] == prompts
+    assert [n for _, n in items] == [p.max_new_tokens for p in params]
+    assert sum(len(prompt) for prompt, _ in items) == 142_827
+    assert sum(n for _, n in items) == 133_966
+
+
+def test_head_on_the_last_prompt_token_and_cores():
+    from tapserve.bench import serve
+    from tapserve.bench.serve_client import parse_cores, request_extras
+
+    args = serve.parse_args(["--head", "last-prompt", "--extra-body", '{"top_p": 0.9}'])
+    assert request_extras(args, [5, 6, 7]) == {
+        "top_p": 0.9,
+        "custom_output_params": {"position": 2},
+    }
+    assert request_extras(serve.parse_args([]), [5, 6, 7]) == {}
+    assert parse_cores("12-15") == {12, 13, 14, 15}
+    assert parse_cores("0,2,4-5") == {0, 2, 4, 5}
+
+
+def test_rate_sweep_against_the_demo_model(tmp_path):
+    """Two rates: a table row and a point per rate, the printed best rate the highest row
+    within the targets, every token streamed, and the client on the core it was given."""
+    client_core = max(os.sched_getaffinity(0))
+    out = tmp_path / "sweep"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/serve.py",
+            "--launch",
+            "--custom-module bench/last_token_head.py:LastTokenLinearHead",
+            "--port",
+            str(free_port()),
+            "--max-token-id",
+            "1000",
+            "--num-requests",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--warmup",
+            "1",
+            "--sweep-rates",
+            "4,40",
+            "--head",
+            "last-prompt",
+            "--client-cores",
+            str(client_core),
+            "--out-dir",
+            str(out),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "serve_sweep.png").stat().st_size > 1000
+    table = (out / "serve_sweep.md").read_text()
+    rows = [line for line in table.splitlines() if re.match(r"\| [\d.]+ \|", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["4", "40"]
+    held = [float(row.split("|")[1]) for row in rows if row.rstrip(" |").endswith("yes")]
+    figures = json.loads((out / "serve_sweep.json").read_text())
+    assert figures["best_rate"] == (max(held) if held else None)
+    best = re.search(r"highest rate within .*: (\S+)", proc.stdout)[1]
+    assert best == (f"{max(held):g}" if held else "none")
+    for run in figures["runs"]:
+        assert run["failed"] == 0, run.get("errors")  # the head took every position
+        assert run["output_tokens"] == run["expected_output_tokens"] == 4 * 5
+        assert 0 < run["sse_events_per_token"] <= 1
+        assert run["client_cores"] == [client_core]
+
+
+def test_token_events_are_the_events_logprobs_give_tokens(http):
+    """carries_tokens, told by each chunk's text and finish reason, against the tokens each
+    chunk's logprobs list (which bench/serve.py does not ask for: they cost the server)."""
+    from tapserve.bench.serve_client import carries_tokens
+
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    body = {
+        "model": model,
+        "prompt": [5, 17, 42, 99, 3],
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = sse_json(sse_events(r))
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    assert choices
+    for choice in choices:
+        assert carries_tokens(choice) == bool(choice["logprobs"]["tokens"]), choice
+    streamed = sum(len(choice["logprobs"]["tokens"]) for choice in choices)
+    assert streamed == chunks[-1]["usage"]["completion_tokens"] == 12
