@@ -228,7 +228,7 @@ class Generation:
         if out.finished:
             state.engine_finished = True
             deltas += self._finish_rest(state)
-        elif state.all_done():
+        elif any(d.finish_reason for d in deltas) and state.all_done():
             self.group.abort_one(state.request_id)  # every choice cut by a stop string
         self._observe(deltas)
         return sorted(deltas, key=lambda d: d.index)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,8 +19,12 @@ from fastapi.responses import JSONResponse
 from tapserve.api.errors import invalid
 from tapserve.api.generation import Choice, ChoiceDelta, Generation
 from tapserve.api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from tapserve.api.state import AppState, sse
+from tapserve.api.state import AppState, json_string, sse
 from tapserve.api.values import finite_logprob
+
+# the text of a template event, where each plain chunk's text goes (a private-use character
+# keeps it from meeting JSON escapes)
+_TEXT_MARK = "\ue000text\ue000"
 
 
 def _state(request: Request) -> AppState:
@@ -124,6 +129,7 @@ class _Shape:
         self.want_logprobs = bool(body.logprobs) if chat else body.logprobs is not None
         self.num_top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         self.started: set[int] = set()
+        self._text_events: dict[int, tuple[str, str]] = {}  # choice index -> template halves
 
     def full_choice(self, c: Choice) -> dict:
         out: dict[str, Any] = {
@@ -166,6 +172,26 @@ class _Shape:
         out["finish_reason"], out["stop_reason"] = d.finish_reason, d.stop_reason
         return {**out, **_extra(value, omitted if first else None)}
 
+    def is_plain(self, d: ChoiceDelta, value: dict) -> bool:
+        """Whether d's chunk is a started choice's text alone (tokens without logprobs, no
+        finish, rows or value), so that `text_event` writes it."""
+        return (
+            d.index in self.started
+            and (bool(d.text) or bool(d.token_ids))
+            and not (self.want_logprobs or d.finish_reason or d.rows or value)
+        )
+
+    def text_event(self, d: ChoiceDelta, head: dict, usage: dict) -> str:
+        """The SSE event of a plain delta (`is_plain`): the bytes `sse` writes for its chunk,
+        from a template made once per choice. head: _envelope's; usage: {} or {"usage": None}."""
+        halves = self._text_events.get(d.index)
+        if halves is None:
+            template = self.chunk_choice(replace(d, text=_TEXT_MARK), {}, None)
+            event = sse({**head, "choices": [template], **usage})
+            before, _, after = event.rpartition(json_string(_TEXT_MARK))  # (the last string)
+            halves = self._text_events[d.index] = (before, after)
+        return halves[0] + json_string(d.text) + halves[1]
+
     def _logprobs(self, ids: list[int], lps: list[float], tops: list, offsets: list[int]) -> dict:
         if self.chat:
             return _chat_logprobs(self.state, ids, lps, tops, self.num_top)
@@ -205,14 +231,18 @@ async def _events(
     generation: Generation, body: Any, shape: _Shape, kind: str, model: str, created: int
 ) -> AsyncIterator[str]:
     head = _envelope(generation, kind + ".chunk" if shape.chat else kind, model, created)
+    # with include_usage alone, OpenAI's chunks carry "usage": null until the last
+    plain_usage = {"usage": None} if body.include_usage else {}
     async for deltas in generation.run():
         events = []
         for d in deltas:
             value = generation.delta_fields(d.index, d.rows, body.custom_output_encoding)
+            if not body.continuous_usage and shape.is_plain(d, value):
+                events.append(shape.text_event(d, head, plain_usage))
+                continue
             choice = shape.chunk_choice(d, value, generation.choice_omitted(d.index))
             if choice is not None:
                 # as vLLM: the chunk's own choice, its prompt and the tokens it has streamed
-                # with include_usage alone, OpenAI's chunks carry "usage": null until the last
                 usage = (
                     {"usage": generation.choice_usage(d.index) if body.continuous_usage else None}
                     if body.include_usage

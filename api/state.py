@@ -36,8 +36,13 @@ class ClientGone(Exception):
     """The HTTP client disconnected while we waited."""
 
 
+# what json.dumps(obj, ensure_ascii=False, allow_nan=False) builds on every call, built once
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+json_string = json.encoder.encode_basestring  # a str as JSON, as _JSON writes it
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:

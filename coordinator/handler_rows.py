@@ -58,8 +58,10 @@ class DeviceRows:
         return HostRows(ALLOWED_DTYPES[out.dtype], raw.numpy(), stops, self.stop_error)
 
     def to_host(self) -> HostRows:
-        """The step's one device-to-host copy (synchronous)."""
-        return self.unpack(self.packed().cpu())
+        """The step's one device-to-host copy (synchronous; on the CPU a copy too: rows are
+        kept past the handler's next call, which may reuse its output tensor)."""
+        packed = self.packed()
+        return self.unpack(packed.cpu() if packed.is_cuda else packed.clone())
 
 
 def launch_handler(

@@ -380,3 +380,14 @@ def test_flagged_beams_end_as_hypotheses(ckpt, ref) -> None:
     torch.testing.assert_close(rows[0][0], rows[1][0])  # the shared prompt row
     assert not torch.equal(rows[0][1], rows[1][1])  # two beams' different first tokens
     torch.testing.assert_close(rows[0][:1], expected_rows(ref, ids, [1]))
+
+
+def test_rows_kept_past_the_next_call_are_copies(ckpt, ref) -> None:
+    """A head that returns a view of a buffer it overwrites: beams keep their history's rows
+    over many steps, and they still match transformers."""
+    llm = make_llm(ckpt, custom_module="tests.helpers.custom:ReusedBufferProbe")
+    ids = prompt(13, 19)
+    params = SamplingParams(max_new_tokens=6, num_beams=2, n=2)
+    r = run(llm, [("a", ids, params, {"position": [2, ALL]})])
+    positions = check_against_reference(r, "a", ids, ref)
+    assert all(len(p) == 1 + len(r.tokens("a")[i]) for i, p in positions.items())

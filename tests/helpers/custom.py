@@ -198,6 +198,19 @@ class StopProbe(ProbeHead):
         return flags[1:] if self.stop_mode == "short" else flags
 
 
+class ReusedBufferProbe(ProbeHead):
+    """ProbeHead returning a view of one output tensor it overwrites on every call (rows
+    the engine keeps must be its copies)."""
+
+    def forward(self, selected_hidden_states: torch.Tensor) -> torch.Tensor:
+        out = super().forward(selected_hidden_states)
+        if getattr(self, "buffer", None) is None or self.buffer.shape[0] < out.shape[0]:
+            self.buffer = torch.empty(max(out.shape[0], 64), out.shape[1], dtype=out.dtype)
+        self.buffer.fill_(float("nan"))
+        self.buffer[: out.shape[0]] = out
+        return self.buffer[: out.shape[0]]
+
+
 def with_special_values(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """base [rows, 3] float32 -> [rows, 3 + k] in dtype: the (cast) head values, then values
     whose bit patterns must survive exactly (NaN, +-inf, -0.0, the smallest subnormal, max)."""

@@ -39,6 +39,7 @@ def run_tp(
             f"--nproc-per-node={nproc}",
             str(SCRIPT),
         ]
+    out_file.unlink(missing_ok=True)
     proc = subprocess.run(
         cmd + [str(spec_file), str(out_file)],
         env=_env(**env),
@@ -47,8 +48,14 @@ def run_tp(
         text=True,
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # gloo's teardown on a loaded machine now and then aborts rank 0 after its results are
+    # written (docs/reliability.md, "Known issues"): the results are still checked in full
+    torn_down = out_file.exists() and TEARDOWN_ABORT in proc.stderr
+    assert proc.returncode == 0 or torn_down, proc.stderr[-3000:]
     return json.loads(out_file.read_text())
+
+
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def compare(tmp: Path, name: str, spec: dict, **env) -> tuple[dict, dict]:
