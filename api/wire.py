@@ -103,21 +103,43 @@ class RequestOutput:
 @dataclass
 class Outputs:
     """Coordinator -> API: one engine step's news. A plain decode token travels in two
-    columns (request token_request_ids[i] got new_token_ids[i]), the rest as full outputs;
-    iterating yields every request's output, the columns expanded."""
+    columns (request token_request_ids[i] got new_token_ids[i]); a plain token of an
+    every-generated-token request in three more with its row (row_request_ids[i] got
+    row_token_ids[i] at row_positions[i], its custom_rows the i-th row of `rows`); the rest as
+    full outputs. Iterating yields every request's output, the columns expanded."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     token_request_ids: list[str] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)
+    row_request_ids: list[str] = field(default_factory=list)
+    row_token_ids: list[int] = field(default_factory=list)
+    row_positions: list[int] = field(default_factory=list)
+    rows: dict | None = None  # {dtype, shape [k] or [k, width], data}: one row per entry
     TYPE = "outputs"
 
     def __iter__(self) -> Iterator[RequestOutput]:
         yield from self.outputs
         for request_id, token in zip(self.token_request_ids, self.new_token_ids):
             yield RequestOutput(request_id, True, [SequenceOutput(0, [token])])
+        if self.row_request_ids:
+            yield from self._row_outputs()
+
+    def _row_outputs(self) -> Iterator[RequestOutput]:
+        rows = self.rows
+        dtype, width, data = rows["dtype"], list(rows["shape"][1:]), rows["data"]
+        size = len(data) // len(self.row_request_ids)
+        for i, (request_id, token, position) in enumerate(
+            zip(self.row_request_ids, self.row_token_ids, self.row_positions)
+        ):
+            row = {"dtype": dtype, "shape": [1, *width], "data": data[i * size : (i + 1) * size]}
+            yield RequestOutput(
+                request_id,
+                True,
+                [SequenceOutput(0, [token], custom_rows=row, custom_positions=[position])],
+            )
 
     def __len__(self) -> int:
-        return len(self.outputs) + len(self.token_request_ids)
+        return len(self.outputs) + len(self.token_request_ids) + len(self.row_request_ids)
 
 
 @dataclass
@@ -167,6 +189,11 @@ def encode(message: Any) -> bytes:
             "token_request_ids": message.token_request_ids,
             "new_token_ids": message.new_token_ids,
         }
+        if message.row_request_ids:  # (sent only when set)
+            body["row_request_ids"] = message.row_request_ids
+            body["row_token_ids"] = message.row_token_ids
+            body["row_positions"] = message.row_positions
+            body["rows"] = message.rows
     else:
         body = asdict(message)
     body["type"] = message.TYPE
@@ -184,6 +211,10 @@ def decode(data: bytes) -> Any:
             [_request_output(o) for o in body["outputs"]],
             body["token_request_ids"],
             body["new_token_ids"],
+            body.get("row_request_ids", []),
+            body.get("row_token_ids", []),
+            body.get("row_positions", []),
+            body.get("rows"),
         )
     return cls(**{f.name: body[f.name] for f in fields(cls) if f.name in body})
 

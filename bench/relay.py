@@ -77,8 +77,7 @@ class StandIn:
         self.sent_tokens = 0
         self.steps = 0
         self.first_step: float | None = None
-        self.last_step: float | None = None
-        self.late_s = 0.0  # how far behind its schedule the last step went out (rate mode)
+        self.late_s = 0.0  # the most a step went out behind its schedule (--step-rate)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -139,8 +138,7 @@ class StandIn:
         self.outgoing.send(wire.encode(wire.Outputs(outputs, rids, tokens)))
         self.sent_tokens += len(outputs) + len(rids)
         self.steps += 1
-        self.last_step = time.monotonic()
-        self.first_step = self.first_step or self.last_step
+        self.first_step = self.first_step or time.monotonic()
 
     def close(self) -> None:
         self.outgoing.send(wire.encode(wire.Shutdown("benchmark over", stopped=True)))

@@ -122,21 +122,32 @@ def _check_stops(flags: object, rows: int) -> torch.Tensor:
 
 
 class RowCopies:
-    """Device-to-host copies of a step's handler output without a sync, into pinned memory
-    (from torch's caching host allocator); on the CPU the rows are already home."""
+    """Device-to-host copies of a step's handler output without a sync, through two pinned
+    buffers used in turn (as run_ahead.TokenCopies: one step is in flight at a time); on the
+    CPU the rows are already home."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
 
     def start(self, rows: DeviceRows) -> PendingRows:
         if not self.cuda:
             return PendingRows(rows, None, None)
         packed = rows.packed()
-        host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=True)
+        host = self._buffer(packed.numel())[: packed.numel()]
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return PendingRows(rows, host, ready)
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        """The next buffer in turn, of at least size bytes (both regrown when short)."""
+        if not self._buffers or self._buffers[0].numel() < size:
+            size = max(size, 2 * self._buffers[0].numel() if self._buffers else 1 << 16)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in "ab"]
+        self._turn ^= 1
+        return self._buffers[self._turn]
 
 
 @dataclass
@@ -148,7 +159,12 @@ class PendingRows:
     ready: torch.cuda.Event | None
 
     def wait(self) -> HostRows:
+        """The rows, copied out of the pinned buffer (which the step after next reuses)."""
         if self.ready is None:
             return self.rows.to_host()
         self.ready.synchronize()
-        return self.rows.unpack(self.host)
+        rows = self.rows.unpack(self.host)
+        rows.array = rows.array.copy()
+        if rows.stops is not None:
+            rows.stops = rows.stops.copy()
+        return rows

@@ -109,15 +109,16 @@ class HandlerSteps:
         if not rows.generated_seqs:
             return None
         seqs = rows.generated_seqs
-        positions = plan.positions[rows.generated].tolist()
         every = len(seqs) == hidden.shape[0]  # (sorted distinct row indices: all of them)
+        positions = (plan.positions if every else plan.positions[rows.generated]).tolist()
         picked = hidden if every else hidden[torch.from_numpy(rows.generated).to(hidden.device)]
-        params = [s.request.custom_output_params for s in seqs]
+        stop_rows = stop_params = None
+        if callable(getattr(self.handler, "should_stop", None)):
+            stop_rows = list(range(len(seqs)))
+            stop_params = [s.request.custom_output_params for s in seqs]
         try:
             with self.busy():
-                device = launch_handler(
-                    self.handler, picked, self.stats, list(range(len(seqs))), params
-                )
+                device = launch_handler(self.handler, picked, self.stats, stop_rows, stop_params)
         except CustomOutputError as e:
             return AheadRows(seqs, positions, None, str(e))
         return AheadRows(seqs, positions, self._copies.start(device))

@@ -11,7 +11,7 @@ import torch
 from tapserve.api.detokenizer import IncrementalDetokenizer, StopChecker
 from tapserve.api.sampling_params import SamplingParams, is_integer
 from tapserve.api.tokenizer import TextTokenizer
-from tapserve.api.wire import RequestOutput
+from tapserve.api.wire import Outputs, RequestOutput
 from tapserve.coordinator.config import EngineConfig
 from tapserve.coordinator.custom_outputs import RequestError, decode_value
 from tapserve.coordinator.generation_defaults import model_sampling_defaults
@@ -31,7 +31,7 @@ class CompletionOutput:
     # a multi-row selection: its prompt rows and its own, and each row's position in
     # prompt + generated ids (None without rows)
     custom_output_positions: list[int] | None = None
-    _rows: list[tuple[dict, list[int]]] = field(default_factory=list, repr=False)
+    _rows: list[tuple] = field(default_factory=list, repr=False)  # (_joined's parts)
 
 
 @dataclass
@@ -177,6 +177,8 @@ class LLM:
                 results[out.request_id].accumulate(out)
             for rid, token in zip(step.token_request_ids, step.new_token_ids):
                 results[rid].outputs[0].token_ids.append(token)  # sequence 0's next token
+            if step.row_request_ids:
+                _take_row_columns(step, results)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -206,17 +208,44 @@ class LLM:
             self.engine.step()
 
 
-def _joined(parts: list[tuple[dict, list[int]]]) -> tuple[torch.Tensor | None, list[int] | None]:
-    """Wire row deltas and their positions, concatenated (None, None for none)."""
+def _take_row_columns(step: Outputs, results: dict[str, GenerationResult]) -> None:
+    """Sequence 0's next token and its row, from the outputs' row columns (the row kept as
+    a reference into the step's rows: join_rows slices it)."""
+    rows = step.rows
+    for i, (rid, token, position) in enumerate(
+        zip(step.row_request_ids, step.row_token_ids, step.row_positions)
+    ):
+        outputs = results[rid].outputs
+        out = outputs[0] if outputs else _first(outputs)
+        out.token_ids.append(token)
+        out._rows.append((rows, [position], i))
+
+
+def _first(outputs: list[CompletionOutput]) -> CompletionOutput:
+    """Sequence 0's output, made on its first news."""
+    outputs.append(CompletionOutput(0))
+    return outputs[0]
+
+
+def _joined(parts: list[tuple]) -> tuple[torch.Tensor | None, list[int] | None]:
+    """Row deltas and their positions, concatenated (None, None for none). A part is (wire
+    value, positions), or (a step's row columns' value, [position], the row's index)."""
     if not parts:
         return None, None
     first = parts[0][0]
+    data = []
+    for value, _, *index in parts:
+        if index:
+            size = len(value["data"]) // value["shape"][0]
+            data.append(value["data"][index[0] * size : (index[0] + 1) * size])
+        else:
+            data.append(value["data"])
     value = {
         "dtype": first["dtype"],
-        "shape": [sum(v["shape"][0] for v, _ in parts), *first["shape"][1:]],
-        "data": b"".join(v["data"] for v, _ in parts),
+        "shape": [sum(len(ps) for _, ps, *_ in parts), *first["shape"][1:]],
+        "data": b"".join(data),
     }
-    return decode_value(value), [p for _, ps in parts for p in ps]
+    return decode_value(value), [p for _, ps, *_ in parts for p in ps]
 
 
 def _load_tokenizer(config: EngineConfig) -> TextTokenizer | None:

@@ -80,26 +80,44 @@ def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
     )
 
 
-def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> list[Request]:
+def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> tuple[list[Request], bool]:
     """Put the step's plain decode news into outputs' columns (marked sent); returns the other
-    requests the step touched, once each, in order: they need a full RequestOutput."""
+    requests the step touched, once each, in order (they need a full RequestOutput), and
+    whether an every-generated-token sequence held back its newest token (news to come)."""
     request_ids, new_tokens = outputs.token_request_ids, outputs.new_token_ids
     full: dict[Request, None] = {}  # insertion-ordered set
+    held = False
     running = SeqStatus.RUNNING  # a local: an enum member lookup costs ~0.2 µs per use
     for seq in seqs:
         request, token_ids, emitted = seq.request, seq.token_ids, seq.num_emitted_tokens
+        news_end = seq.num_prompt_tokens + emitted + 1
         if (
             request.token_columns
             and emitted
             and seq.status is running
-            and len(token_ids) == seq.num_prompt_tokens + emitted + 1
+            and len(token_ids) == news_end
         ):
             request_ids.append(request.request_id)
             new_tokens.append(token_ids[-1])
             seq.num_emitted_tokens = emitted + 1
+        elif request.all_generated and holds_only_its_newest(seq, news_end):
+            held = True  # its newest token leaves with its row, in a later step
         else:
             full[request] = None
-    return list(full)
+    return list(full), held
+
+
+def holds_only_its_newest(seq: Sequence, news_end: int) -> bool:
+    """An every-generated-token sequence has nothing to send but its newest token, which
+    waits for its row (news_end: its prompt, the tokens sent and one more)."""
+    return (
+        seq.status is SeqStatus.RUNNING
+        and len(seq.token_ids) == news_end
+        and seq.num_scored == seq.num_emitted_tokens
+        and seq.scoring_reason is None
+        and not seq.rows.positions
+        and not seq.request.prompt_rows.positions
+    )
 
 
 class SteadyColumns:
@@ -128,6 +146,6 @@ class SteadyColumns:
                 seq.num_emitted_tokens += 1
             self._serial = batch.serial
             return []
-        full = put_news_in_columns(batch.seqs, outputs)
-        self._serial, self._ids = (-1 if full else batch.serial), None
+        full, held = put_news_in_columns(batch.seqs, outputs)
+        self._serial, self._ids = (-1 if full or held else batch.serial), None
         return full

@@ -6,15 +6,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tapserve.api.wire import EXECUTION_EXCEPTION, RequestOutput
+from tapserve.api.wire import EXECUTION_EXCEPTION, Outputs, RequestOutput
 from tapserve.coordinator.beam_search import BeamState, Hypothesis, length_normalized
-from tapserve.coordinator.custom_outputs import CustomOutputStats
+from tapserve.coordinator.custom_outputs import CustomOutputStats, encode_row
 from tapserve.coordinator.engine_tokens import TokenSteps
 from tapserve.coordinator.handler_rows import HostRows
 from tapserve.coordinator.run_ahead import AheadRows
-from tapserve.coordinator.sequence import Request, Sequence
+from tapserve.coordinator.sequence import Request, SeqStatus, Sequence
 
 CONTENT_FILTER = "content_filter"  # OpenAI's finish_reason for a head-driven stop
+
+
+class _EveryGeneratedSent(frozenset):
+    """Every ALL_GENERATED request of the step sent its row in the row columns (the usual
+    answer of place_ahead; the step's other requests are not in it); its len is theirs."""
+
+    def __new__(cls, count: int) -> _EveryGeneratedSent:
+        sent = super().__new__(cls)
+        sent.count = count
+        return sent
+
+    def __contains__(self, request: object) -> bool:
+        return request.all_generated
+
+    def __len__(self) -> int:
+        return self.count
 
 
 class RowSteps:
@@ -28,6 +44,7 @@ class RowSteps:
     ):
         """fail(request, code, message): the engine's, to end a request with an error."""
         self.tokens, self.stats, self.fail = tokens, stats, fail
+        self._ended: list[Request] = []  # requests whose sequences these rows ended
 
     @staticmethod
     def stop_rows(seqs: list[Sequence], positions: list[int]) -> list[int]:
@@ -46,11 +63,21 @@ class RowSteps:
         positions: list[int],
         multi: list[int],
         stop_rows: list[int],
-    ) -> None:
+        columns: Outputs | None = None,
+    ) -> set[Request]:
         """Give rows `multi` (indices into the step's custom rows) to their requests and
         sequences; apply should_stop's answers for `stop_rows`; finish the sequences whose
-        last token was scored."""
+        last token was scored. columns: a plain next row of a sequence with nothing else to
+        send leaves at once with its token in the outputs' row columns (wire.Outputs); returns
+        those rows' requests (no other output of theirs this step)."""
+        self._ended = []
+        flagged: set[int] = set()
+        if stop_rows and host.stop_error is not None:
+            self._fail_all(seqs, stop_rows, f"custom output should_stop failed: {host.stop_error}")
+        elif host.stops is not None:
+            flagged = {stop_rows[k] for k in host.stops.nonzero()[0].tolist()}
         array, dtype = host.array, host.dtype
+        fast: list[int] = []
         for i in multi:
             seq, position = seqs[i], positions[i]
             request = seq.request
@@ -62,36 +89,82 @@ class RowSteps:
             elif not request.all_generated:
                 seq.rows.add(position, array[i], dtype)
             elif position == seq.num_prompt_tokens + seq.num_scored:  # (each row once)
-                seq.rows.add(position, array[i], dtype)
                 seq.num_scored += 1
-        if stop_rows and host.stop_error is not None:
-            self._fail_all(seqs, stop_rows, f"custom output should_stop failed: {host.stop_error}")
-        elif host.stops is not None:
-            for k in host.stops.nonzero()[0].tolist():
-                i = stop_rows[k]
-                self._flag(seqs[i], positions[i])
+                if columns is not None and i not in flagged and _plain_row(seq):
+                    fast.append(i)
+                    seq.num_emitted_tokens += 1
+                else:
+                    seq.rows.add(position, array[i], dtype)
+        for i in sorted(flagged):
+            self._flag(seqs[i], positions[i])
         for i in multi:
             seq = seqs[i]
             if seq.scoring_reason is not None and positions[i] == seq.num_tokens - 1:
                 self._finish_scored(seq)
+        if not fast:
+            return set()
+        columns.row_request_ids.extend(seqs[i].request.request_id for i in fast)
+        columns.row_token_ids.extend(seqs[i].token_ids[positions[i]] for i in fast)
+        columns.row_positions.extend(positions[i] for i in fast)
+        picked = array if len(fast) == len(array) else array[fast]
+        columns.rows = encode_row(picked, dtype)
+        self.stats.rows_sent += len(fast)
+        self.stats.bytes_sent += len(columns.rows["data"])
+        return {seqs[i].request for i in fast}
 
-    def place_ahead(self, rows: AheadRows) -> list[Request]:
+    def place_ahead(self, rows: AheadRows, columns: Outputs) -> tuple[list[Request], set[Request]]:
         """A run-ahead step's ALL_GENERATED rows, now home (each its sequence's newest scored
         token); those of sequences that finished since the launch are dropped. Returns the
-        requests these rows ended (closing rows, should_stop, 606s): they need an output."""
+        requests these rows ended (closing rows, should_stop, 606s: they need an output), and
+        those whose row went into the columns."""
         every = list(range(len(rows.seqs)))
-        running = [s for s in rows.seqs if not s.is_finished]
+        self._ended: list[Request] = []
+        sent: set[Request] | None = set()
         if rows.error is not None:
             self._fail_all(rows.seqs, every, f"custom output processor failed: {rows.error}")
         else:
-            self.place(rows.pending.wait(), rows.seqs, rows.positions, every, every)
-        return [s.request for s in running if s.is_finished]
+            host = rows.pending.wait()
+            plain = host.stops is None or not host.stops.any()
+            sent = self._place_plain(host, rows, columns) if plain else None
+            if sent is None:
+                sent = self.place(host, rows.seqs, rows.positions, every, every, columns)
+        ended, self._ended = self._ended, []
+        return list(dict.fromkeys(ended)), sent
+
+    def _place_plain(self, host: HostRows, rows: AheadRows, columns: Outputs) -> set | None:
+        """place() for the usual run-ahead step, in bulk: every row is its running
+        sequence's next one, with everything before it sent (ahead rows are single requests
+        without logprobs); None when some row is not."""
+        seqs, positions = rows.seqs, rows.positions
+        running = SeqStatus.RUNNING  # (a local: an enum member lookup per row costs)
+        for seq, position in zip(seqs, positions):
+            scored = seq.num_scored
+            if (
+                seq.status is not running
+                or seq.num_emitted_tokens != scored
+                or position != seq.num_prompt_tokens + scored
+                or seq.scoring_reason is not None
+                or seq.rows.positions
+                or seq.request.error_code is not None
+            ):
+                return None
+        for seq in seqs:
+            seq.num_scored += 1
+            seq.num_emitted_tokens += 1
+        columns.row_request_ids.extend([seq.request.request_id for seq in seqs])
+        columns.row_token_ids.extend([seq.token_ids[p] for seq, p in zip(seqs, positions)])
+        columns.row_positions.extend(positions)
+        columns.rows = encode_row(host.array, host.dtype)
+        self.stats.rows_sent += len(seqs)
+        self.stats.bytes_sent += len(columns.rows["data"])
+        return _EveryGeneratedSent(len(seqs))
 
     def _fail_all(self, seqs: list[Sequence], rows: list[int], message: str) -> None:
         """606 for the running requests of these rows."""
         for request in {seqs[i].request: None for i in rows if not seqs[i].is_finished}:
             if request.error_code is None:
                 self.fail(request, EXECUTION_EXCEPTION, message)
+                self._ended.append(request)
 
     def _flag(self, seq: Sequence, position: int) -> None:
         """End seq at the token at `position`: "content_filter"; later tokens discarded."""
@@ -107,6 +180,7 @@ class RowSteps:
         seq.flagged, seq.scoring_reason = True, None
         self.stats.content_filter += 1
         self.tokens.finish_seq(seq, CONTENT_FILTER)
+        self._ended.append(seq.request)
 
     def _flag_beam(self, seq: Sequence) -> None:
         """A flagged beam (its newest token's row) ends as a finished hypothesis without that
@@ -128,6 +202,7 @@ class RowSteps:
         seq.flagged, seq.scoring_reason = True, None
         self.stats.content_filter += 1
         self.tokens.finish_seq(seq, CONTENT_FILTER, emit=seq.hypothesis is None)
+        self._ended.append(request)
 
     def _finish_scored(self, seq: Sequence) -> None:
         """A finishing sequence's last token has its row: it really finishes now."""
@@ -136,6 +211,7 @@ class RowSteps:
         if seq.hypothesis is not None:  # a fork scoring a finished beam
             seq.hypothesis.rows = seq.rows.copy()
         self.tokens.finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
+        self._ended.append(seq.request)
 
     def count_sent(self, output: RequestOutput) -> None:
         """Add an output's rows and bytes to the metrics."""
@@ -146,3 +222,17 @@ class RowSteps:
             if value is not None:
                 self.stats.rows_sent += len(positions)
                 self.stats.bytes_sent += len(value["data"])
+
+
+def _plain_row(seq: Sequence) -> bool:
+    """seq's newest row may travel in the row columns: a running single sequence, its
+    earlier tokens all sent, nothing else pending, not finishing."""
+    request = seq.request
+    return (
+        request.single
+        and not request.params.logprobs
+        and seq.num_emitted_tokens + 1 == seq.num_scored
+        and not seq.rows
+        and seq.scoring_reason is None
+        and not seq.is_finished
+    )

@@ -20,6 +20,7 @@ import pytest
 import tokenizers
 
 from tapserve.api.tokenizer import TextTokenizer
+from tests.helpers import wait_for
 from tests.helpers.api import LiveServer
 from tests.helpers.checkpoints import make_tiny_checkpoint
 from tests.helpers.custom import Reference, head_tensors, prompt
@@ -74,7 +75,7 @@ def decode(ckpt):
     return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
-def _serve(ckpt, policy: str):
+def _serve(ckpt, policy: str, *extra: str):
     server = LiveServer(
         "--model",
         str(ckpt),
@@ -92,6 +93,7 @@ def _serve(ckpt, policy: str):
         "256",
         "--max-num-batched-tokens",
         "32",
+        *extra,
     )
     yield server
     assert server.stop() == 0, server.log_tail()
@@ -105,6 +107,11 @@ def recompute(ckpt):
 @pytest.fixture(scope="module")
 def omit(ckpt):
     yield from _serve(ckpt, "omit")
+
+
+@pytest.fixture(scope="module")
+def ahead(ckpt):
+    yield from _serve(ckpt, "omit", "--async-scheduling")
 
 
 def client_of(server: LiveServer) -> openai.OpenAI:
@@ -382,3 +389,53 @@ def test_bad_lists_are_400_and_the_server_goes_on(omit, selection, seed):
     )
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["extra_outputs"]["custom_output_positions"][0] == 3
+
+
+# ---- 7. running ahead: tokens and their rows in the outputs' row columns -------------------------
+def test_every_generated_token_running_ahead(ahead, ref):
+    """With asynchronous scheduling a plain -3 request runs ahead and each token leaves rank 0
+    with its row in wire.Outputs' row columns: the stream's chunks carry their own rows, they
+    reassemble to the non-streamed answer, and the rows match transformers."""
+    ids = prompt(19, 107)
+    body = {
+        "input_ids": ids,
+        "generate_config": {
+            "max_new_tokens": 9,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_output_ids": True,
+        },
+        "custom_output_params": {"position": [ALL]},
+    }
+    whole = httpx.post(ahead.url + "/generate", json=body, timeout=120).json()
+    out = whole["output_ids"]
+    positions = list(range(19, 28))
+    assert len(out) == 9 and whole["custom_output_positions"] == positions
+    assert_rows(ref, ids + out, positions, whole["custom_output"])
+    chunks = client_of(ahead).completions.create(  # (not gated: a gate would stall the
+        model=MODEL,  # step in flight, which waits on its successor's launch)
+        prompt=ids,
+        max_tokens=9,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "custom_output_params": {"position": [ALL]}},
+    )
+    chunks = list(chunks)
+    pos, rows = [], []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            extra = extra_of(choice)
+            assert len(extra.get("custom_output", [])) == len(
+                extra.get("custom_output_positions", [])
+            )
+            pos += extra.get("custom_output_positions", [])
+            rows += extra.get("custom_output", [])
+    assert pos == positions
+    np.testing.assert_allclose(rows, whole["custom_output"], rtol=1e-5, atol=1e-5)
+
+    def steps_ahead() -> float:
+        metrics = httpx.get(ahead.url + "/metrics", timeout=30).text
+        line = next(x for x in metrics.splitlines() if x.startswith("tapserve_engine_steps_ahead"))
+        return float(line.split()[-1])
+
+    assert wait_for(lambda: steps_ahead() > 0, 10)

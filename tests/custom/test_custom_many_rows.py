@@ -50,7 +50,7 @@ def rows_by_sequence(r, rid: str) -> tuple[dict[int, list[int]], dict[int, torch
     positions: dict[int, list[int]] = {}
     rows: dict[int, list[torch.Tensor]] = {}
     sent: dict[int, int] = {}
-    num_prompt = r.outputs[rid][0].num_prompt_tokens
+    num_prompt = max(o.num_prompt_tokens for o in r.outputs[rid])  # (row columns carry none)
     for out in r.outputs[rid]:
         if out.custom_rows is not None:
             prompt_pos += out.custom_positions
@@ -331,17 +331,25 @@ def test_all_generated_runs_ahead(ckpt, ref) -> None:
         (f"r{i}", prompt(n, 20 + i), greedy(m), {"position": sel})
         for i, (n, m, sel) in enumerate([(9, 12, [ALL]), (14, 7, [3, ALL]), (6, 15, [ALL])])
     ]
+    plain = [("plain", prompt(11, 30), greedy(9), None), ("one", prompt(7, 31), greedy(5), {})]
     runs = {}
     for async_scheduling in (False, True):
         llm = make_llm(ckpt, async_scheduling=async_scheduling)
-        runs[async_scheduling] = r = run(llm, reqs)
+        in_columns = []
+        step = llm.engine.step
+        llm.engine.step = lambda: in_columns.append(step()) or in_columns[-1]
+        runs[async_scheduling] = r = run(llm, reqs + plain)  # beside plain requests
+        assert {rid: len(r.tokens(rid)[0]) for rid, *_ in plain} == {"plain": 9, "one": 5}
+        assert r.final("one").custom_output is not None  # (its default: the last prompt token)
         assert (llm.engine.num_ahead_steps > 0) == async_scheduling
+        # running ahead, a plain token leaves with its row in the outputs' row columns
+        assert any(o.row_request_ids for o in in_columns) == async_scheduling
         for rid, ids, params, _ in reqs:
             positions = check_against_reference(r, rid, ids, ref)
             out = r.tokens(rid)[0]
             assert len(out) == params.max_new_tokens
             assert positions[0][-len(out) :] == list(range(len(ids), len(ids) + len(out)))
-    for rid, *_ in reqs:
+    for rid, *_ in reqs + plain:
         assert runs[True].tokens(rid) == runs[False].tokens(rid)
 
 

@@ -166,7 +166,7 @@ def test_steady_steps_put_their_news_in_the_columns_as_the_general_pass(demo_dir
     monkeypatch.setattr(
         outputs_module.SteadyColumns,
         "put",
-        lambda self, batch, tokens, outputs: put(batch.seqs, outputs),
+        lambda self, batch, tokens, outputs: put(batch.seqs, outputs)[0],
     )
     assert got == _output_stream(
         make_llm(demo_dir, num_kv_blocks=64, max_model_len=256).engine, prompts, params
