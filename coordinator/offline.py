@@ -32,6 +32,17 @@ class CompletionOutput:
     # prompt + generated ids (None without rows)
     custom_output_positions: list[int] | None = None
     _rows: list[tuple] = field(default_factory=list, repr=False)  # (_joined's parts)
+    # rows from the outputs' row columns: each the step's rows value, the row's index in it and
+    # its position (flat: no object a token, so the collector has nothing new to walk)
+    _column_rows: list[dict] = field(default_factory=list, repr=False)
+    _column_index: list[int] = field(default_factory=list, repr=False)
+    _column_positions: list[int] = field(default_factory=list, repr=False)
+
+    def row_parts(self) -> list[tuple]:
+        """Its own rows as _joined's parts, in position order."""
+        columns = zip(self._column_rows, self._column_positions, self._column_index)
+        parts = self._rows + [(rows, [p], i) for rows, p, i in columns]
+        return sorted(parts, key=lambda part: part[1][0])
 
 
 @dataclass
@@ -52,10 +63,10 @@ class GenerationResult:
 
     def join_rows(self) -> None:
         """Multi-row selections: each sequence's value, its prompt rows then its own."""
-        if not self._prompt_rows and not any(c._rows for c in self.outputs):
+        if not self._prompt_rows and not any(c._rows or c._column_rows for c in self.outputs):
             return
         for c in self.outputs:
-            c.custom_output, c.custom_output_positions = _joined(self._prompt_rows + c._rows)
+            c.custom_output, c.custom_output_positions = _joined(self._prompt_rows + c.row_parts())
         self.custom_output, self.custom_output_positions = _joined(self._prompt_rows)
 
     def accumulate(self, out: RequestOutput) -> None:
@@ -218,7 +229,9 @@ def _take_row_columns(step: Outputs, results: dict[str, GenerationResult]) -> No
         outputs = results[rid].outputs
         out = outputs[0] if outputs else _first(outputs)
         out.token_ids.append(token)
-        out._rows.append((rows, [position], i))
+        out._column_rows.append(rows)
+        out._column_index.append(i)
+        out._column_positions.append(position)
 
 
 def _first(outputs: list[CompletionOutput]) -> CompletionOutput:

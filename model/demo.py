@@ -322,7 +322,8 @@ def ensure_demo_checkpoint(cache_dir: str | Path | None = None) -> Path:
 class DemoHead(CustomOutputHandler):
     """Demo custom-output handler: a 2-way linear "reward/classifier" head.
 
-    Selects `params["position"]` (an int) when given, else the last prompt token;
+    Selects `params["position"]` (an int, or a list: prompt positions plus -2 or -3 for the
+    generated tokens) when given, else the last prompt token;
     its weights are `demo_head.weight` / `demo_head.bias` from the demo checkpoint.
     """
 

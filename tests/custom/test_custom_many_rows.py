@@ -399,3 +399,21 @@ def test_rows_kept_past_the_next_call_are_copies(ckpt, ref) -> None:
     r = run(llm, [("a", ids, params, {"position": [2, ALL]})])
     positions = check_against_reference(r, "a", ids, ref)
     assert all(len(p) == 1 + len(r.tokens("a")[i]) for i, p in positions.items())
+
+
+def test_offline_results_join_row_columns(ckpt, ref) -> None:
+    """LLM.generate running ahead (rows in the outputs' row columns) gives each sequence the
+    rows and positions of the synchronous engine."""
+    prompts = [prompt(9, 40), prompt(15, 41)]
+    sel = [{"position": [1, ALL]}, {"position": [ALL]}]
+    got = {}
+    for async_scheduling in (False, True):
+        llm = make_llm(ckpt, async_scheduling=async_scheduling)
+        got[async_scheduling] = llm.generate(prompts, greedy(8), custom_output_params=sel)
+    for sync, ahead, ids in zip(got[False], got[True], prompts):
+        (s,), (a,) = sync.outputs, ahead.outputs
+        assert a.token_ids == s.token_ids and a.custom_output_positions == s.custom_output_positions
+        torch.testing.assert_close(a.custom_output, s.custom_output)
+        torch.testing.assert_close(
+            a.custom_output, expected_rows(ref, ids + a.token_ids, a.custom_output_positions)
+        )
