@@ -18,9 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from tapserve.api import token_list
+from tapserve.api.choices import Choice, ChoiceDelta
 from tapserve.api.custom_rows import join
 from tapserve.api.errors import ApiError, invalid
-from tapserve.api.generation import Choice, ChoiceDelta, Generation
+from tapserve.api.generation import Generation
 from tapserve.api.openai_schemas import ChatMessage, ChatTemplateFields, StrictModel
 from tapserve.api.sampling_params import SamplingParams
 from tapserve.api.state import OFF_LOOP_BODY_BYTES, AppState, race_disconnect, sse

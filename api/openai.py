@@ -16,8 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tapserve.api.choices import Choice, ChoiceDelta
 from tapserve.api.errors import invalid
-from tapserve.api.generation import Choice, ChoiceDelta, Generation
+from tapserve.api.generation import Generation
 from tapserve.api.openai_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from tapserve.api.state import AppState, json_string, sse
 from tapserve.api.values import finite_logprob

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tapserve.api.generation import ChoiceDelta
+from tapserve.api.choices import ChoiceDelta
 from tapserve.api.openai import _events, _Shape
 from tapserve.api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from tapserve.api.state import sse
