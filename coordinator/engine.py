@@ -297,8 +297,8 @@ class Engine:
         """The host work of a step that ran ahead: its rows whose sequences still run (one
         that finished or was aborted since has had its final output) take their tokens."""
         tokens, batch = ahead.pending.wait(), ahead.batch
-        ended, sent = [], set()  # requests the rows ended (their newest token is dropped),
-        if ahead.generated is not None:  # and those whose row left in the row columns
+        ended, sent = [], 0  # requests the rows ended (their newest token is dropped), and
+        if ahead.generated is not None:  # how many rows left in the row columns
             ended, sent = self.handler_steps.rows.place_ahead(ahead.generated, outputs)
         seqs, context_lens, size = batch.seqs, batch.context_lens, self.blocks.block_size
         none_finished = ahead.num_finished_at_launch == self.tokens.num_finished
@@ -316,16 +316,15 @@ class Engine:
         plain = self.tokens.append_plain(
             items, tokens if none_finished else [tokens[i] for i in rows]
         )
-        if none_finished and plain and len(sent) == len(seqs):  # every row sent with its row
+        if none_finished and plain and sent == len(seqs):  # every row sent with its row
             self.columns.reset()  # (each holds its newest token for its row: no other news)
             return
         if none_finished:
-            self._collect_outputs(batch, outputs, tokens if plain else None, sent)
+            self._collect_outputs(batch, outputs, tokens if plain else None)
             return
         self.columns.reset()
         for request in put_news_in_columns([s for _, s in items], outputs)[0] + ended:
-            if request not in sent:
-                outputs.outputs.append(self._output(request))
+            outputs.outputs.append(self._output(request))
 
     def _postprocess(
         self, batch: ScheduledBatch, plan: StepPlan, rows: PlanRows, result: StepOutput
@@ -356,18 +355,11 @@ class Engine:
         return None
 
     def _collect_outputs(
-        self,
-        batch: ScheduledBatch,
-        outputs: Outputs,
-        advanced: list[int] | None,
-        sent: set[Request] = frozenset(),
+        self, batch: ScheduledBatch, outputs: Outputs, advanced: list[int] | None
     ) -> None:
         """One output per request the step touched: the usual decode news in the columns
-        (coordinator/outputs.py), a full RequestOutput for the rest but those already `sent`
-        in the row columns."""
+        (coordinator/outputs.py), a full RequestOutput for the rest."""
         for request in self.columns.put(batch, advanced, outputs):
-            if request in sent:
-                continue
             if request.params.max_new_tokens == 0:
                 self.tokens.finish_scoring_only(request)
             outputs.outputs.append(self._output(request))

@@ -21,8 +21,6 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
         ]
     elif params.num_beams > 1:  # beams are sent once, when done: the best n of them
         outs = beams.final_outputs(request) if finished else []
-    elif request.selection is not None:
-        outs = [row_sequence_output(s, params.logprobs) for s in seqs]
     else:
         outs = [sequence_output(s, params.logprobs) for s in seqs]
     # positional, in RequestOutput's field order
@@ -44,12 +42,14 @@ def request_output(request: Request, beams: BeamSearch) -> RequestOutput:
     return output
 
 
-def row_sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
-    """sequence_output for a multi-row request: the tokens whose rows are computed, with
-    those rows (and, once flagged, the flagged token's row alone)."""
+def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
+    """seq's output tokens (and logprobs) not sent yet, marked sent: with ALL_GENERATED those
+    whose rows are computed; a multi-row selection's rows not sent yet with them (once
+    flagged, the flagged token's row alone)."""
     start, end = seq.num_emitted_tokens, seq.num_sendable
     seq.num_emitted_tokens = end
     first = seq.num_prompt_tokens
+    # positional, in SequenceOutput's field order
     out = SequenceOutput(
         seq.index,
         seq.token_ids[first + start : first + end],
@@ -57,27 +57,11 @@ def row_sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
         seq.top_logprobs[start:end] if with_logprobs else None,
         seq.finish_reason,
         seq.cumulative_logprob,
+        seq.custom_output,
     )
     if seq.rows:
         out.custom_rows, out.custom_positions = seq.rows.take()
     return out
-
-
-def sequence_output(seq: Sequence, with_logprobs: bool) -> SequenceOutput:
-    """seq's output tokens (and logprobs) not sent yet; marks them sent."""
-    start = seq.num_emitted_tokens
-    token_ids = seq.token_ids
-    seq.num_emitted_tokens = len(token_ids) - seq.num_prompt_tokens
-    # positional, in SequenceOutput's field order
-    return SequenceOutput(
-        seq.index,
-        token_ids[seq.num_prompt_tokens + start :],
-        seq.logprobs[start:] if with_logprobs else None,
-        seq.top_logprobs[start:] if with_logprobs else None,
-        seq.finish_reason,
-        seq.cumulative_logprob,
-        seq.custom_output,
-    )
 
 
 def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> tuple[list[Request], bool]:
@@ -109,12 +93,12 @@ def put_news_in_columns(seqs: list[Sequence], outputs: Outputs) -> tuple[list[Re
 
 def holds_only_its_newest(seq: Sequence, news_end: int) -> bool:
     """An every-generated-token sequence has nothing to send but its newest token, which
-    waits for its row (news_end: its prompt, the tokens sent and one more)."""
+    waits for its row (news_end: its prompt, the tokens sent and one more; a sequence that
+    finishes with that token sends it with its closing row)."""
     return (
         seq.status is SeqStatus.RUNNING
         and len(seq.token_ids) == news_end
         and seq.num_scored == seq.num_emitted_tokens
-        and seq.scoring_reason is None
         and not seq.rows.positions
         and not seq.request.prompt_rows.positions
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from tapserve.api.wire import EXECUTION_EXCEPTION, Outputs, RequestOutput
 from tapserve.coordinator.beam_search import BeamState, Hypothesis, length_normalized
 from tapserve.coordinator.custom_outputs import CustomOutputStats, encode_row
@@ -15,22 +17,6 @@ from tapserve.coordinator.run_ahead import AheadRows
 from tapserve.coordinator.sequence import Request, SeqStatus, Sequence
 
 CONTENT_FILTER = "content_filter"  # OpenAI's finish_reason for a head-driven stop
-
-
-class _EveryGeneratedSent(frozenset):
-    """Every ALL_GENERATED request of the step sent its row in the row columns (the usual
-    answer of place_ahead; the step's other requests are not in it); its len is theirs."""
-
-    def __new__(cls, count: int) -> _EveryGeneratedSent:
-        sent = super().__new__(cls)
-        sent.count = count
-        return sent
-
-    def __contains__(self, request: object) -> bool:
-        return request.all_generated
-
-    def __len__(self) -> int:
-        return self.count
 
 
 class RowSteps:
@@ -64,12 +50,12 @@ class RowSteps:
         multi: list[int],
         stop_rows: list[int],
         columns: Outputs | None = None,
-    ) -> set[Request]:
+    ) -> int:
         """Give rows `multi` (indices into the step's custom rows) to their requests and
         sequences; apply should_stop's answers for `stop_rows`; finish the sequences whose
-        last token was scored. columns: a plain next row of a sequence with nothing else to
-        send leaves at once with its token in the outputs' row columns (wire.Outputs); returns
-        those rows' requests (no other output of theirs this step)."""
+        last token was scored. columns (a run-ahead step's, whose rows are single requests
+        without logprobs): a sequence's plain next row leaves at once with its token in the
+        outputs' row columns (wire.Outputs). Returns how many rows left that way."""
         self._ended = []
         flagged: set[int] = set()
         if stop_rows and host.stop_error is not None:
@@ -89,75 +75,66 @@ class RowSteps:
             elif not request.all_generated:
                 seq.rows.add(position, array[i], dtype)
             elif position == seq.num_prompt_tokens + seq.num_scored:  # (each row once)
-                seq.num_scored += 1
-                if columns is not None and i not in flagged and _plain_row(seq):
+                if columns is not None and i not in flagged and _next_row_is_plain(seq, position):
                     fast.append(i)
                     seq.num_emitted_tokens += 1
                 else:
                     seq.rows.add(position, array[i], dtype)
+                seq.num_scored += 1
         for i in sorted(flagged):
             self._flag(seqs[i], positions[i])
         for i in multi:
             seq = seqs[i]
             if seq.scoring_reason is not None and positions[i] == seq.num_tokens - 1:
                 self._finish_scored(seq)
-        if not fast:
-            return set()
-        columns.row_request_ids.extend(seqs[i].request.request_id for i in fast)
-        columns.row_token_ids.extend(seqs[i].token_ids[positions[i]] for i in fast)
-        columns.row_positions.extend(positions[i] for i in fast)
-        picked = array if len(fast) == len(array) else array[fast]
-        columns.rows = encode_row(picked, dtype)
-        self.stats.rows_sent += len(fast)
-        self.stats.bytes_sent += len(columns.rows["data"])
-        return {seqs[i].request for i in fast}
+        if fast:
+            picked = array if len(fast) == len(array) else array[fast]
+            self._send_in_columns(
+                columns, [seqs[i] for i in fast], [positions[i] for i in fast], picked, dtype
+            )
+        return len(fast)
 
-    def place_ahead(self, rows: AheadRows, columns: Outputs) -> tuple[list[Request], set[Request]]:
+    def place_ahead(self, rows: AheadRows, columns: Outputs) -> tuple[list[Request], int]:
         """A run-ahead step's ALL_GENERATED rows, now home (each its sequence's newest scored
         token); those of sequences that finished since the launch are dropped. Returns the
         requests these rows ended (closing rows, should_stop, 606s: they need an output), and
-        those whose row went into the columns."""
+        how many rows left in the row columns."""
         every = list(range(len(rows.seqs)))
-        self._ended: list[Request] = []
-        sent: set[Request] | None = set()
+        self._ended = []
+        sent = 0
         if rows.error is not None:
             self._fail_all(rows.seqs, every, f"custom output processor failed: {rows.error}")
         else:
             host = rows.pending.wait()
-            plain = host.stops is None or not host.stops.any()
-            sent = self._place_plain(host, rows, columns) if plain else None
-            if sent is None:
+            if (host.stops is None or not host.stops.any()) and all(
+                map(_next_row_is_plain, rows.seqs, rows.positions)
+            ):  # the usual step, in bulk
+                for seq in rows.seqs:
+                    seq.num_scored += 1
+                    seq.num_emitted_tokens += 1
+                self._send_in_columns(columns, rows.seqs, rows.positions, host.array, host.dtype)
+                sent = len(rows.seqs)
+            else:
                 sent = self.place(host, rows.seqs, rows.positions, every, every, columns)
         ended, self._ended = self._ended, []
         return list(dict.fromkeys(ended)), sent
 
-    def _place_plain(self, host: HostRows, rows: AheadRows, columns: Outputs) -> set | None:
-        """place() for the usual run-ahead step, in bulk: every row is its running
-        sequence's next one, with everything before it sent (ahead rows are single requests
-        without logprobs); None when some row is not."""
-        seqs, positions = rows.seqs, rows.positions
-        running = SeqStatus.RUNNING  # (a local: an enum member lookup per row costs)
-        for seq, position in zip(seqs, positions):
-            scored = seq.num_scored
-            if (
-                seq.status is not running
-                or seq.num_emitted_tokens != scored
-                or position != seq.num_prompt_tokens + scored
-                or seq.scoring_reason is not None
-                or seq.rows.positions
-                or seq.request.error_code is not None
-            ):
-                return None
-        for seq in seqs:
-            seq.num_scored += 1
-            seq.num_emitted_tokens += 1
+    def _send_in_columns(
+        self,
+        columns: Outputs,
+        seqs: list[Sequence],
+        positions: list[int],
+        rows: np.ndarray,
+        dtype: str,
+    ) -> None:
+        """Each sequence's token at its position, with its row (rows, in order), into the
+        outputs' row columns."""
         columns.row_request_ids.extend([seq.request.request_id for seq in seqs])
         columns.row_token_ids.extend([seq.token_ids[p] for seq, p in zip(seqs, positions)])
         columns.row_positions.extend(positions)
-        columns.rows = encode_row(host.array, host.dtype)
+        columns.rows = encode_row(rows, dtype)
         self.stats.rows_sent += len(seqs)
         self.stats.bytes_sent += len(columns.rows["data"])
-        return _EveryGeneratedSent(len(seqs))
 
     def _fail_all(self, seqs: list[Sequence], rows: list[int], message: str) -> None:
         """606 for the running requests of these rows."""
@@ -224,15 +201,16 @@ class RowSteps:
                 self.stats.bytes_sent += len(value["data"])
 
 
-def _plain_row(seq: Sequence) -> bool:
-    """seq's newest row may travel in the row columns: a running single sequence, its
-    earlier tokens all sent, nothing else pending, not finishing."""
-    request = seq.request
+def _next_row_is_plain(seq: Sequence, position: int) -> bool:
+    """seq's row at position may leave at once with its token in the row columns: it is the
+    running sequence's next row, every earlier token was sent, nothing else waits for an
+    output and it is not finishing."""
+    scored = seq.num_scored
     return (
-        request.single
-        and not request.params.logprobs
-        and seq.num_emitted_tokens + 1 == seq.num_scored
-        and not seq.rows
+        seq.status is SeqStatus.RUNNING
+        and seq.num_emitted_tokens == scored
+        and position == seq.num_prompt_tokens + scored
         and seq.scoring_reason is None
-        and not seq.is_finished
+        and not seq.rows.positions
+        and seq.request.error_code is None
     )

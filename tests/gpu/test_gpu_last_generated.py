@@ -17,19 +17,12 @@ from tests.helpers.custom import assert_no_leaks, make_llm, prompt, run
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("no_tf32"),
 ]
-pytest_plugins = ["tests.helpers.custom_fixtures"]  # ckpt, ref
+pytest_plugins = ["tests.helpers.custom_fixtures"]  # ckpt, ref, no_tf32
 pytest.importorskip("transformers")
 
 LAST = {"position": CustomOutputHandler.LAST_GENERATED}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def test_last_generated_in_decode_graphs(ckpt, ref) -> None:
