@@ -263,6 +263,17 @@ def main() -> None:
         help="asynchronous scheduling on / off rounds in one process",
     )
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the workload this many times (prefix caching off) and report the median",
+    )
+    p.add_argument(
+        "--custom-params",
+        help="custom_output_params of every request as JSON (with --custom-module), e.g. "
+        "'{\"position\": [-3]}'",
+    )
     args = p.parse_args()
     if args.ab_rounds and not args.custom_module:
         p.error("--ab-rounds needs --custom-module")
@@ -276,7 +287,9 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         # the A/B rounds and the profile's second pass must recompute prompts
-        enable_prefix_caching=not (args.ab_rounds or args.profile_steps or args.async_ab),
+        enable_prefix_caching=not (
+            args.ab_rounds or args.profile_steps or args.async_ab or args.rounds > 1
+        ),
         async_scheduling=False if args.no_async_scheduling else None,
     )
     llm = LLM(config)
@@ -292,9 +305,14 @@ def main() -> None:
         profile_first_steps(llm, prompts, params, args.profile_steps)
         return
     kinds = time_step_kinds(llm.engine) if args.step_kinds else None
-    start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    custom = json.loads(args.custom_params) if args.custom_params else None
+    rounds = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        per_request = custom and [custom] * len(prompts)
+        results = llm.generate(prompts, params, custom_output_params=per_request)
+        rounds.append(round(time.perf_counter() - start, 3))
+    elapsed = statistics.median(rounds)
     out_tokens = sum(len(r.outputs[0].token_ids) for r in results)
     in_tokens = sum(len(x) for x in prompts)
     figures = {
@@ -303,8 +321,11 @@ def main() -> None:
         "seconds": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "custom_module": args.custom_module,
+        "custom_params": custom,
         "kv_blocks": llm.runner.num_blocks,
     }
+    if args.rounds > 1:
+        figures["round_seconds"] = rounds
     if args.floor_seconds:
         figures["ratio_to_floor"] = round(elapsed / args.floor_seconds, 2)
     if kinds is not None:

@@ -46,7 +46,13 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
-from tapserve.bench.serve_client import Result, client_pool, client_run, parse_cores  # noqa: E402
+from tapserve.bench.serve_client import (  # noqa: E402
+    Result,
+    client_pool,
+    parse_cores,
+    run_clients,
+    warm_up,
+)
 from tapserve.bench.serve_launch import expand_launch, start_server  # noqa: E402
 from tapserve.bench.serve_report import Targets, best_rate, sweep_plot, sweep_table  # noqa: E402
 
@@ -116,12 +122,23 @@ def summarize(results: list[Result], wall: float) -> dict:
     return out
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median wall time (the upper one of an even count), with every round's
+    wall time in "round_walls_s"."""
+    walls = [r["wall_s"] for r in rounds]
+    median = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]
+    return {**median, "round_walls_s": walls} if len(rounds) > 1 else median
+
+
 def print_summary(title: str, s: dict) -> None:
     print(f"\n== {title} ==")
     print(
         f"requests {s['requests']} (failed {s['failed']}), wall {s['wall_s']:.2f} s, "
         f"{s['output_tok_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s"
     )
+    if "round_walls_s" in s:
+        walls = ", ".join(f"{w:.3f}" for w in s["round_walls_s"])
+        print(f"  the median of {len(s['round_walls_s'])} rounds (walls {walls} s)")
     print(
         f"  output tokens streamed {s['output_tokens']}, in {s['token_events']} SSE events: "
         f"{s['sse_events_per_token']:.4f} events per token"
@@ -136,9 +153,10 @@ def print_summary(title: str, s: dict) -> None:
 # ---- the engine in-process (the relay-cost baseline) ---------------------------------------
 def run_engine(
     launch_argv: list[str], args: argparse.Namespace, items: list[tuple[list[int], int]]
-) -> tuple[list[Result], float]:
-    """The same workload at the same concurrency on coordinator.engine.Engine directly;
-    per-request timestamps of each step's outputs play the role of streamed chunks."""
+) -> dict:
+    """The same workload at the same concurrency on coordinator.engine.Engine directly, its
+    median round's summary; per-request timestamps of each step's outputs play the role of
+    streamed chunks."""
     from tapserve import launch
     from tapserve.api.sampling_params import SamplingParams
     from tapserve.coordinator.startup import build_engine, build_runner
@@ -146,7 +164,8 @@ def run_engine(
     config = launch.engine_config(launch.parse_args(launch_argv))
     engine = build_engine(config, build_runner(config))
     warm = [(p, 8) for p, _ in items[: args.warmup]]
-    for batch, measure in ((warm, False), (items, True)):
+    rounds = []
+    for batch, measure in [(warm, False)] + [(items, True)] * args.rounds:
         results: dict[str, Result] = {}
         added: dict[str, float] = {}
         last: dict[str, float] = {}
@@ -177,8 +196,9 @@ def run_engine(
                 if out.finished:
                     res.latency = now - added[out.request_id]
                     in_flight.discard(out.request_id)
-        wall = time.perf_counter() - start
-    return list(results.values()), wall
+        if measure:
+            rounds.append(summarize(list(results.values()), time.perf_counter() - start))
+    return median_round(rounds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,16 +259,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pin the HTTP client's process to these cores (e.g. 12-15) and a --launch server "
         "to the others",
     )
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="HTTP client processes (requests dealt out in turn, one common start)",
+    )
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--max-token-id", type=int, default=10000)
     p.add_argument("--extra-body", help="JSON merged into every request body")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the workload this many times (each rate; --compare-engine too) and report "
+        "the round of median wall time; with --launch, prefix caching must be off",
+    )
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the figures to this file")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)  # (older commands)
     args = p.parse_args(argv)
+    if args.rounds > 1 and args.launch is not None and "--no-prefix-caching" not in args.launch:
+        p.error("--rounds repeats the prompts: add --no-prefix-caching to --launch")
     if args.sweep_rates and args.compare_engine:
         p.error("--compare-engine compares one run: leave out --sweep-rates")
     return args
@@ -262,10 +297,15 @@ def run_rates(
     cores = parse_cores(args.client_cores) if args.client_cores else None
     expected = sum(n for _, n in items)
     runs = []
-    with client_pool(cores) as pool:
+    with client_pool(cores, args.client_procs) as pool:
+        if args.warmup:
+            pool.submit(warm_up, args, url, [p for p, _ in items[: args.warmup]]).result()
         for rate in rates:
-            raw, wall, client_cores = pool.submit(client_run, args, url, items, rate).result()
-            summary = summarize([Result(**r) for r in raw], wall)
+            rounds = []
+            for _ in range(args.rounds):
+                raw, wall, client_cores = run_clients(pool, args, url, items, rate)
+                rounds.append(summarize([Result(**r) for r in raw], wall))
+            summary = median_round(rounds)
             runs.append(
                 {
                     "rate": rate,
@@ -330,12 +370,13 @@ def main(argv: list[str] | None = None) -> None:
         else:
             figures["http"] = runs[0]
         if args.compare_engine and launch_argv is not None:
-            results, wall = run_engine(launch_argv, args, items)
-            figures["engine"] = summarize(results, wall)
+            figures["engine"] = run_engine(launch_argv, args, items)
             print_summary("engine in-process", figures["engine"])
             relay = figures["http"]["tpot_ms"]["mean"] / figures["engine"]["tpot_ms"]["mean"] - 1
-            figures["relay_cost_tpot"] = relay
+            walls = figures["http"]["wall_s"] / figures["engine"]["wall_s"]
+            figures["relay_cost_tpot"], figures["wall_ratio"] = relay, walls
             print(f"\nrelay cost (mean TPOT, HTTP vs engine): {relay * 100:+.1f} %")
+            print(f"wall time, HTTP / engine in-process: {walls:.3f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

@@ -35,6 +35,7 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench.last_token_head import PairLinearHead  # noqa: E402
 from tapserve.coordinator.config import EngineOptions  # noqa: E402
 from tapserve.coordinator.engine import Engine  # noqa: E402
 from tapserve.coordinator.scheduler import SchedulerConfig  # noqa: E402
@@ -56,13 +57,14 @@ class StandInRunner:
     def __init__(self, num_blocks: int, vocab: int, max_seqs: int, device: str):
         self.num_blocks, self.cfg, self.device = num_blocks, _Cfg(), torch.device(device)
         self.logits = torch.randn(max_seqs, vocab, device=device)
-        self.hidden = torch.zeros(max_seqs * 4, 8, device=device)
+        self.hidden = torch.randn(max_seqs * 4, 8, device=device)
 
     def graph_bucket_for(self, plan: StepPlan) -> int:
         return -1
 
-    def execute(self, plan: StepPlan) -> StepOutput:
-        return StepOutput(self.hidden[:1], self.logits[: plan.logit_rows.shape[0]])
+    def execute(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> StepOutput:
+        hidden = self.hidden[: plan.num_tokens]
+        return StepOutput(hidden, self.logits[: plan.logit_rows.shape[0]])
 
 
 def main() -> None:
@@ -76,6 +78,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="decode steps run ahead (the default on GPUs)",
+    )
+    p.add_argument(
+        "--custom-params",
+        help="custom_output_params of every request as JSON, e.g. '{\"position\": [-3]}', for "
+        "a linear head (hidden -> 2) on the stand-in's hidden states",
+    )
     p.add_argument("--profile", action="store_true")
     p.add_argument("--phases", action="store_true", help="time each phase of Engine.step")
     args = p.parse_args()
@@ -90,13 +102,16 @@ def main() -> None:
             eos_token_ids=[],
             vocab_size=args.vocab,
             scheduler=SchedulerConfig(args.seqs, 1 << 30),
-            # the host's whole turn, step by step (no overlap)
-            async_scheduling=False,
+            # without run-ahead: the host's whole turn, step by step (no overlap)
+            async_scheduling=args.async_scheduling,
         ),
+        handler=PairLinearHead() if args.custom_params else None,
     )
+    custom = json.loads(args.custom_params) if args.custom_params else None
     params = SamplingParams(max_new_tokens=total + 8, temperature=args.temperature, ignore_eos=True)
     for i in range(args.seqs):
-        engine.add_request(str(i), [(i + j) % 1000 for j in range(args.context)], params)
+        prompt = [(i + j) % 1000 for j in range(args.context)]
+        engine.add_request(str(i), prompt, params, custom_output_params=custom)
     engine.step()  # the prefill step
     engine.step()
     phases = time_phases(engine) if args.phases else {}
@@ -122,6 +137,8 @@ def main() -> None:
         "context": args.context,
         "vocab": args.vocab,
         "temperature": args.temperature,
+        "async_scheduling": args.async_scheduling,
+        "custom_params": custom,
         "device": args.device,
         "coordinator_ms_per_decode_step": round(min(rounds) * 1e3, 3),
         "median_round_ms": round(statistics.median(rounds) * 1e3, 3),

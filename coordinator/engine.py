@@ -262,7 +262,9 @@ class Engine:
             self.send_plan(plan)  # plan.ids_from_rank0: the ids follow on the GPUs
             result = self.runner.execute(plan, input_ids=ids)
             self.num_steps += 1
-            generated = self.handler_steps.launch_generated(result.hidden, rows, plan)
+            generated = self.handler_steps.launch_generated(
+                result.hidden, rows, plan, batch.follows
+            )
             self._launch_ahead(batch, result.logits, ahead.draw, params, generated)
         self._finish_ahead(ahead, outputs)
 
@@ -318,6 +320,7 @@ class Engine:
         )
         if none_finished and plain and sent == len(seqs):  # every row sent with its row
             self.columns.reset()  # (each holds its newest token for its row: no other news)
+            self.handler_steps.rows.note_steady(batch.serial, tokens)
             return
         if none_finished:
             self._collect_outputs(batch, outputs, tokens if plain else None)

@@ -102,10 +102,11 @@ class HandlerSteps:
                 self.tokens.finish_seq(seq, seq.scoring_reason, emit=seq.hypothesis is None)
 
     def launch_generated(
-        self, hidden: torch.Tensor, rows: PlanRows, plan: StepPlan
+        self, hidden: torch.Tensor, rows: PlanRows, plan: StepPlan, follows: int = -1
     ) -> AheadRows | None:
         """Queue the handler on a decode step that runs ahead: its ALL_GENERATED rows, before
-        a later step can overwrite the hidden states; their copy to the host starts."""
+        a later step can overwrite the hidden states; their copy to the host starts.
+        follows: the step's ScheduledBatch.follows."""
         if not rows.generated_seqs:
             return None
         seqs = rows.generated_seqs
@@ -120,5 +121,5 @@ class HandlerSteps:
             with self.busy():
                 device = launch_handler(self.handler, picked, self.stats, stop_rows, stop_params)
         except CustomOutputError as e:
-            return AheadRows(seqs, positions, None, str(e))
-        return AheadRows(seqs, positions, self._copies.start(device))
+            return AheadRows(seqs, positions, None, str(e), follows)
+        return AheadRows(seqs, positions, self._copies.start(device), None, follows)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tapserve.api.detokenizer import IncrementalDetokenizer, StopChecker
@@ -31,18 +32,7 @@ class CompletionOutput:
     # a multi-row selection: its prompt rows and its own, and each row's position in
     # prompt + generated ids (None without rows)
     custom_output_positions: list[int] | None = None
-    _rows: list[tuple] = field(default_factory=list, repr=False)  # (_joined's parts)
-    # rows from the outputs' row columns: each the step's rows value, the row's index in it and
-    # its position (flat: no object a token, so the collector has nothing new to walk)
-    _column_rows: list[dict] = field(default_factory=list, repr=False)
-    _column_index: list[int] = field(default_factory=list, repr=False)
-    _column_positions: list[int] = field(default_factory=list, repr=False)
-
-    def row_parts(self) -> list[tuple]:
-        """Its own rows as _joined's parts, in position order."""
-        columns = zip(self._column_rows, self._column_positions, self._column_index)
-        parts = self._rows + [(rows, [p], i) for rows, p, i in columns]
-        return sorted(parts, key=lambda part: part[1][0])
+    _rows: list[tuple[dict, list[int]]] = field(default_factory=list, repr=False)  # _joined's
 
 
 @dataclass
@@ -63,10 +53,10 @@ class GenerationResult:
 
     def join_rows(self) -> None:
         """Multi-row selections: each sequence's value, its prompt rows then its own."""
-        if not self._prompt_rows and not any(c._rows or c._column_rows for c in self.outputs):
+        if not self._prompt_rows and not any(c._rows for c in self.outputs):
             return
         for c in self.outputs:
-            c.custom_output, c.custom_output_positions = _joined(self._prompt_rows + c.row_parts())
+            c.custom_output, c.custom_output_positions = _joined(self._prompt_rows + c._rows)
         self.custom_output, self.custom_output_positions = _joined(self._prompt_rows)
 
     def accumulate(self, out: RequestOutput) -> None:
@@ -182,6 +172,7 @@ class LLM:
         return detok.take_delta(final=True)
 
     def _run(self, results: dict[str, GenerationResult]) -> None:
+        row_steps: list[Outputs] = []  # steps with row columns (their rows joined at the end)
         while self.engine.has_work():
             step = self.engine.step()
             for out in step.outputs:
@@ -189,7 +180,12 @@ class LLM:
             for rid, token in zip(step.token_request_ids, step.new_token_ids):
                 results[rid].outputs[0].token_ids.append(token)  # sequence 0's next token
             if step.row_request_ids:
-                _take_row_columns(step, results)
+                for rid, token in zip(step.row_request_ids, step.row_token_ids):
+                    outputs = results[rid].outputs
+                    (outputs[0] if outputs else _first(outputs)).token_ids.append(token)
+                row_steps.append(step)
+        for rid, part in _column_parts(row_steps).items():
+            results[rid].outputs[0]._rows.append(part)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
@@ -219,46 +215,47 @@ class LLM:
             self.engine.step()
 
 
-def _take_row_columns(step: Outputs, results: dict[str, GenerationResult]) -> None:
-    """Sequence 0's next token and its row, from the outputs' row columns (the row kept as
-    a reference into the step's rows: join_rows slices it)."""
-    rows = step.rows
-    for i, (rid, token, position) in enumerate(
-        zip(step.row_request_ids, step.row_token_ids, step.row_positions)
-    ):
-        outputs = results[rid].outputs
-        out = outputs[0] if outputs else _first(outputs)
-        out.token_ids.append(token)
-        out._column_rows.append(rows)
-        out._column_index.append(i)
-        out._column_positions.append(position)
-
-
 def _first(outputs: list[CompletionOutput]) -> CompletionOutput:
     """Sequence 0's output, made on its first news."""
     outputs.append(CompletionOutput(0))
     return outputs[0]
 
 
-def _joined(parts: list[tuple]) -> tuple[torch.Tensor | None, list[int] | None]:
-    """Row deltas and their positions, concatenated (None, None for none). A part is (wire
-    value, positions), or (a step's row columns' value, [position], the row's index)."""
+def _column_parts(steps: list[Outputs]) -> dict[str, tuple[dict, list[int]]]:
+    """The rows of the steps' row columns, each request's as one wire value and its
+    positions (sequence 0's rows, in step order)."""
+    if not steps:
+        return {}
+    request_ids = [rid for step in steps for rid in step.row_request_ids]
+    positions = np.array([p for step in steps for p in step.row_positions], np.int64)
+    first = steps[0].rows
+    data = np.frombuffer(b"".join(step.rows["data"] for step in steps), np.uint8)
+    data = data.reshape(len(request_ids), -1)
+    numbers = {rid: i for i, rid in enumerate(dict.fromkeys(request_ids))}
+    owners = np.array([numbers[rid] for rid in request_ids], np.int64)
+    groups = np.split(np.argsort(owners, kind="stable"), np.cumsum(np.bincount(owners))[:-1])
+    parts = {}
+    for rid, rows in zip(numbers, groups):
+        shape = [len(rows), *first["shape"][1:]]
+        value = {"dtype": first["dtype"], "shape": shape, "data": data[rows].tobytes()}
+        parts[rid] = (value, positions[rows].tolist())
+    return parts
+
+
+def _joined(parts: list[tuple[dict, list[int]]]) -> tuple[torch.Tensor | None, list[int] | None]:
+    """Row deltas (wire value, positions) in position order, concatenated (None, None for
+    none)."""
     if not parts:
         return None, None
     first = parts[0][0]
-    data = []
-    for value, _, *index in parts:
-        if index:
-            size = len(value["data"]) // value["shape"][0]
-            data.append(value["data"][index[0] * size : (index[0] + 1) * size])
-        else:
-            data.append(value["data"])
-    value = {
-        "dtype": first["dtype"],
-        "shape": [sum(len(ps) for _, ps, *_ in parts), *first["shape"][1:]],
-        "data": b"".join(data),
-    }
-    return decode_value(value), [p for _, ps, *_ in parts for p in ps]
+    positions = np.array([p for _, ps in parts for p in ps], np.int64)
+    data = b"".join(value["data"] for value, _ in parts)
+    if (np.diff(positions) < 0).any():  # a part's rows before another's
+        order = np.argsort(positions, kind="stable")
+        rows = np.frombuffer(data, np.uint8).reshape(len(positions), -1)
+        data, positions = rows[order].tobytes(), positions[order]
+    value = {"dtype": first["dtype"], "shape": [len(positions), *first["shape"][1:]], "data": data}
+    return decode_value(value), positions.tolist()
 
 
 def _load_tokenizer(config: EngineConfig) -> TextTokenizer | None:

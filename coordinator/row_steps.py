@@ -5,6 +5,7 @@ request, generated-token rows to their sequence, and the head's should_stop (DES
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +32,8 @@ class RowSteps:
         """fail(request, code, message): the engine's, to end a request with an error."""
         self.tokens, self.stats, self.fail = tokens, stats, fail
         self._ended: list[Request] = []  # requests whose sequences these rows ended
+        self._steady: _SteadyRows | None = None
+        self._request_ids: list[str] = []  # of the rows last sent in bulk
 
     @staticmethod
     def stop_rows(seqs: list[Sequence], positions: list[int]) -> list[int]:
@@ -89,9 +92,9 @@ class RowSteps:
                 self._finish_scored(seq)
         if fast:
             picked = array if len(fast) == len(array) else array[fast]
-            self._send_in_columns(
-                columns, [seqs[i] for i in fast], [positions[i] for i in fast], picked, dtype
-            )
+            ids = [seqs[i].request.request_id for i in fast]
+            tokens = [seqs[i].token_ids[positions[i]] for i in fast]
+            self._send_in_columns(columns, ids, tokens, [positions[i] for i in fast], picked, dtype)
         return len(fast)
 
     def place_ahead(self, rows: AheadRows, columns: Outputs) -> tuple[list[Request], int]:
@@ -99,41 +102,64 @@ class RowSteps:
         token); those of sequences that finished since the launch are dropped. Returns the
         requests these rows ended (closing rows, should_stop, 606s: they need an output), and
         how many rows left in the row columns."""
-        every = list(range(len(rows.seqs)))
+        seqs, every = rows.seqs, list(range(len(rows.seqs)))
         self._ended = []
+        steady, self._steady = self._steady, None
         sent = 0
         if rows.error is not None:
-            self._fail_all(rows.seqs, every, f"custom output processor failed: {rows.error}")
+            self._fail_all(seqs, every, f"custom output processor failed: {rows.error}")
         else:
             host = rows.pending.wait()
-            if (host.stops is None or not host.stops.any()) and all(
-                map(_next_row_is_plain, rows.seqs, rows.positions)
-            ):  # the usual step, in bulk
-                for seq in rows.seqs:
-                    seq.num_scored += 1
-                    seq.num_emitted_tokens += 1
-                self._send_in_columns(columns, rows.seqs, rows.positions, host.array, host.dtype)
-                sent = len(rows.seqs)
+            plain = host.stops is None or not host.stops.any()
+            if plain and steady is not None and steady.next_of(rows, self.tokens.num_finished):
+                self._send_in_bulk(columns, rows, host, self._request_ids, steady.tokens)
+                sent = len(seqs)
+            elif plain and all(map(_next_row_is_plain, seqs, rows.positions)):
+                self._request_ids = [seq.request.request_id for seq in seqs]
+                tokens = [seq.token_ids[p] for seq, p in zip(seqs, rows.positions)]
+                self._send_in_bulk(columns, rows, host, self._request_ids, tokens)
+                sent = len(seqs)
             else:
-                sent = self.place(host, rows.seqs, rows.positions, every, every, columns)
+                sent = self.place(host, seqs, rows.positions, every, every, columns)
         ended, self._ended = self._ended, []
         return list(dict.fromkeys(ended)), sent
+
+    def note_steady(self, serial: int, tokens: list[int]) -> None:
+        """The run-ahead step of batch `serial` sent every row in bulk and gave each sequence
+        a plain token (`tokens`, in row order) and nothing finished: the next step's rows,
+        if its batch follows this one unchanged, are plain too (their tokens are these)."""
+        self._steady = _SteadyRows(serial, self.tokens.num_finished, tokens)
+
+    def _send_in_bulk(
+        self,
+        columns: Outputs,
+        rows: AheadRows,
+        host: HostRows,
+        request_ids: list[str],
+        tokens: list[int],
+    ) -> None:
+        """Every row is its sequence's plain next row: all leave in the row columns."""
+        for seq in rows.seqs:
+            seq.num_scored += 1
+            seq.num_emitted_tokens += 1
+        self._send_in_columns(columns, request_ids, tokens, rows.positions, host.array, host.dtype)
 
     def _send_in_columns(
         self,
         columns: Outputs,
-        seqs: list[Sequence],
+        request_ids: list[str],
+        tokens: list[int],
         positions: list[int],
         rows: np.ndarray,
         dtype: str,
     ) -> None:
-        """Each sequence's token at its position, with its row (rows, in order), into the
+        """Each request's token at its position, with its row (rows, in order), into the
         outputs' row columns."""
-        columns.row_request_ids.extend([seq.request.request_id for seq in seqs])
-        columns.row_token_ids.extend([seq.token_ids[p] for seq, p in zip(seqs, positions)])
+        columns.row_request_ids.extend(request_ids)
+        columns.row_token_ids.extend(tokens)
         columns.row_positions.extend(positions)
         columns.rows = encode_row(rows, dtype)
-        self.stats.rows_sent += len(seqs)
+        self.stats.rows_sent += len(tokens)
         self.stats.bytes_sent += len(columns.rows["data"])
 
     def _fail_all(self, seqs: list[Sequence], rows: list[int], message: str) -> None:
@@ -214,3 +240,17 @@ def _next_row_is_plain(seq: Sequence, position: int) -> bool:
         and not seq.rows.positions
         and seq.request.error_code is None
     )
+
+
+@dataclass
+class _SteadyRows:
+    """RowSteps.note_steady's memory: the batch, the engine's finish count then, and the
+    tokens its sequences gained (the next step's rows' tokens)."""
+
+    serial: int
+    num_finished: int
+    tokens: list[int]
+
+    def next_of(self, rows: AheadRows, num_finished: int) -> bool:
+        """rows are the next step's of this batch, unchanged, and nothing finished since."""
+        return rows.follows == self.serial and num_finished == self.num_finished

@@ -60,6 +60,7 @@ class AheadRows:
     positions: list[int]
     pending: object | None  # handler_rows.PendingRows
     error: str | None = None
+    follows: int = -1  # its batch's ScheduledBatch.follows
 
 
 @dataclass

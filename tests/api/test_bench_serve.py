@@ -128,3 +128,45 @@ def test_token_events_are_the_events_logprobs_give_tokens(http):
         assert carries_tokens(choice) == bool(choice["logprobs"]["tokens"]), choice
     streamed = sum(len(choice["logprobs"]["tokens"]) for choice in choices)
     assert streamed == chunks[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_rounds_against_the_engine_in_process(tmp_path):
+    """--rounds 2 --compare-engine from two client processes: both sides report their median
+    round (every round's wall listed, the median one's wall reported), every token streamed
+    and counted once, and the wall ratio."""
+    figures_file = tmp_path / "figures.json"
+    argv = ["--port", str(free_port()), "--max-token-id", "1000", "--num-requests", "3"]
+    argv += ["--input-len", "6", "--output-len", "4", "--warmup", "1", "--concurrency", "3"]
+    argv += [
+        "--rounds",
+        "2",
+        "--compare-engine",
+        "--json",
+        str(figures_file),
+        "--client-procs",
+        "2",
+    ]
+    refused = subprocess.run(
+        [sys.executable, "bench/serve.py", "--launch", "", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--no-prefix-caching" in refused.stderr
+    proc = subprocess.run(
+        [sys.executable, "bench/serve.py", "--launch=--no-prefix-caching", *argv],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(figures_file.read_text())
+    for side in (figures["http"], figures["engine"]):
+        assert len(side["round_walls_s"]) == 2
+        assert side["wall_s"] == max(side["round_walls_s"])  # the upper median of two
+        assert side["output_tokens"] == 3 * 4 and side["failed"] == 0
+    assert figures["wall_ratio"] == figures["http"]["wall_s"] / figures["engine"]["wall_s"]
+    assert "the median of 2 rounds" in proc.stdout

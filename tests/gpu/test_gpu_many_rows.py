@@ -11,8 +11,8 @@ import torch
 from tapserve.api.sampling_params import SamplingParams
 from tapserve.model.custom_output import CustomOutputHandler
 from tapserve.ranks.plan import StepKind
-from tests.custom.test_custom_many_rows import check_against_reference
 from tests.helpers.custom import assert_no_leaks, make_llm, prompt, run
+from tests.helpers.custom_rows import check_against_reference
 
 pytestmark = [
     pytest.mark.gpu,
