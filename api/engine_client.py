@@ -29,9 +29,14 @@ log = logging.getLogger("tapserve.api")
 _UNENCODABLE = (UnicodeEncodeError, RecursionError, OverflowError, ValueError, TypeError)
 
 
+MAX_PARAMS_NESTING = 100  # custom_output_params: lists and maps this many levels deep at most
+
+
 def _encode(request: wire.AddRequest) -> bytes:
     """The request's wire bytes; a 605 naming the field that msgpack cannot carry."""
     try:
+        if _nesting(request.custom_output_params) > MAX_PARAMS_NESTING:
+            raise RecursionError
         return wire.encode(request)
     except _UNENCODABLE as e:
         from tapserve.api.errors import invalid
@@ -40,10 +45,23 @@ def _encode(request: wire.AddRequest) -> bytes:
         if isinstance(e, UnicodeEncodeError):  # a lone surrogate in a stop string, say
             why = f"it holds text that is not valid Unicode ({e.reason})"
         elif isinstance(e, RecursionError):
-            why = f"{param or 'custom_output_params'} is nested too deeply"
+            why = f"{param or 'custom_output_params'} is nested too deeply (over {MAX_PARAMS_NESTING} levels)"
         else:
             why = f"integers, such as custom_output_params values or the seed, must fit in 64 bits: {e}"
         raise invalid(f"request cannot be encoded: {why}", param) from None
+
+
+def _nesting(value: object) -> int:
+    """How many levels of lists and maps value has ({"a": [1]}: 2), counted up to one past
+    MAX_PARAMS_NESTING, without recursion."""
+    depth, level = 0, [value]
+    while depth <= MAX_PARAMS_NESTING:
+        level = [v for v in level if isinstance(v, (list, dict))]
+        if not level:
+            break
+        depth += 1
+        level = [item for v in level for item in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _unencodable_field(request: wire.AddRequest) -> str | None:
@@ -53,6 +71,8 @@ def _unencodable_field(request: wire.AddRequest) -> str | None:
         *request.sampling_params.items(),
     ]
     for name, value in fields:
+        if name == "custom_output_params" and _nesting(value) > MAX_PARAMS_NESTING:
+            return name
         try:
             msgpack.packb(value, use_bin_type=True)
         except _UNENCODABLE:

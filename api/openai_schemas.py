@@ -136,7 +136,7 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if not p:
             raise invalid("the prompt is empty", "prompt")
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # (validated: the list's items are all of one kind)
             return [list(p)]
         return list(p)
 

@@ -7,7 +7,7 @@ sides import this module. Custom outputs travel as {dtype, shape, data} with raw
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -182,7 +182,7 @@ _MESSAGE_TYPES = {
 
 
 def encode(message: Any) -> bytes:
-    """msgpack bytes of a message (Outputs without asdict's deep copies: the same bytes)."""
+    """msgpack bytes of a message."""
     if isinstance(message, Outputs):
         body = {
             "outputs": [_output_body(o) for o in message.outputs],
@@ -194,8 +194,8 @@ def encode(message: Any) -> bytes:
             body["row_token_ids"] = message.row_token_ids
             body["row_positions"] = message.row_positions
             body["rows"] = message.rows
-    else:
-        body = asdict(message)
+    else:  # flat messages: their fields as they are (asdict would deep-copy the prompt)
+        body = {f.name: getattr(message, f.name) for f in fields(message)}
     body["type"] = message.TYPE
     body["version"] = PROTOCOL_VERSION
     return msgpack.packb(body, use_bin_type=True)

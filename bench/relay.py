@@ -47,7 +47,6 @@ from tapserve.api.config import ApiConfig  # noqa: E402
 from tapserve.bench.serve_launch import synthetic_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT_LEN = 16
 
 
 def token_of(request: int, step: int, vocab: int) -> int:
@@ -77,6 +76,7 @@ class StandIn:
         self.sent_tokens = 0
         self.steps = 0
         self.first_step: float | None = None
+        self.adds: list[float] = []  # when each request reached rank 0
         self.late_s = 0.0  # the most a step went out behind its schedule (--step-rate)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -111,6 +111,7 @@ class StandIn:
 
     def _take(self, message: object) -> None:
         if isinstance(message, wire.AddRequest):
+            self.adds.append(time.monotonic())
             self.running[message.request_id] = Running(
                 message.prompt_token_ids[0], message.sampling_params["max_new_tokens"]
             )
@@ -198,7 +199,7 @@ async def _client(port: int, args: argparse.Namespace, acked: multiprocessing.Va
     async def one(i: int) -> tuple[str, int, int]:
         body = {
             "model": "relay",
-            "prompt": [i] + [1] * (PROMPT_LEN - 1),
+            "prompt": [i] + [1] * (args.prompt_len - 1),
             "max_tokens": args.max_tokens,
             "ignore_eos": True,
             "stream": True,
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
             tokenizer=str(work / "tok"),
             served_model_name="relay",
             port=0,
-            max_model_len=PROMPT_LEN + args.max_tokens + 1,
+            max_model_len=args.prompt_len + args.max_tokens + 1,
             max_num_seqs=args.concurrency,
             parent_pid=os.getpid(),
             log_level="info",  # (its start-up line names the port)
@@ -324,6 +325,8 @@ def run(args: argparse.Namespace) -> dict:
         "api_system_share": round(system / max(cpu, 1e-9), 3),  # of it, in the kernel
         "events_per_token": round(got["events"] / tokens, 4),
         "max_step_lateness_ms": round(rank0.late_s * 1e3, 2),
+        # the API's time from the first request to reach rank 0 to the last (sent at once)
+        "admission_ms": round((max(rank0.adds) - min(rank0.adds)) * 1e3, 1),
     }
 
 
@@ -333,6 +336,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=500)
+    parser.add_argument("--prompt-len", type=int, default=16, help="token ids a prompt")
     parser.add_argument("--step-rate", type=float, default=0.0, help="steps/s (0: closed loop)")
     parser.add_argument("--window", type=int, default=1, help="closed loop: steps unread")
     parser.add_argument("--vocab", type=int, default=151936, help="qwen3's vocabulary")
