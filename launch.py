@@ -35,6 +35,7 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 
 from tapserve import checkout_entry
 from tapserve.api.config import http_url
+from tapserve.api.gc_policy import settle_after_startup
 from tapserve.api.tokenizer import UnencodableTextError, check_unicode, names_a_file
 from tapserve.coordinator.config import DEFAULT_MAX_CUSTOM_OUTPUT_BYTES, EngineConfig, check_model
 from tapserve.coordinator.custom_outputs import RequestError
@@ -276,6 +277,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, tokenizer=None) -> int
         exit_started_rank(str(e))
     try:
         if not ctx.is_driver:
+            settle_after_startup()
             run_worker(runner, channel)
             code = 0
         else:
@@ -403,6 +405,7 @@ def run_coordinator(args, config: EngineConfig, engine, channel) -> int:
             else f"{args.host}, on the port that the API process logs (--port 0)"
         )
         logging.getLogger("tapserve").info("serving on %s", where)
+        settle_after_startup()
         return loop.run()
     finally:
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -36,6 +36,7 @@ from tapserve.api import native, openai
 from tapserve.api.config import ApiConfig
 from tapserve.api.engine_client import EngineClient
 from tapserve.api.errors import STREAM_ERROR_STATUS, ApiError, error_body, install_handlers
+from tapserve.api.gc_policy import settle_after_startup
 from tapserve.api.lifecycle import Lifecycle, Server, watchdog
 from tapserve.api.metrics import CONTENT_TYPE, ApiMetrics
 from tapserve.api.state import AppState, ClientGone
@@ -283,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         lifecycle,
     )
+    settle_after_startup()
     server.run(sockets=sockets)
 
 

@@ -39,6 +39,7 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
+from tapserve.api.gc_policy import settle_after_startup  # noqa: E402
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.engine import Engine  # noqa: E402
@@ -295,6 +296,7 @@ def main() -> None:
     llm = LLM(config)
     prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # warm-up
+    settle_after_startup()  # the garbage collector as in a serving rank (api/gc_policy.py)
     if args.ab_rounds:
         head_ab(llm, prompts, params, args)
         return

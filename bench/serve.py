@@ -158,11 +158,13 @@ def run_engine(
     median round's summary; per-request timestamps of each step's outputs play the role of
     streamed chunks."""
     from tapserve import launch
+    from tapserve.api.gc_policy import settle_after_startup
     from tapserve.api.sampling_params import SamplingParams
     from tapserve.coordinator.startup import build_engine, build_runner
 
     config = launch.engine_config(launch.parse_args(launch_argv))
     engine = build_engine(config, build_runner(config))
+    settle_after_startup()  # as the served rank 0 (launch.py)
     warm = [(p, 8) for p, _ in items[: args.warmup]]
     rounds = []
     for batch, measure in [(warm, False)] + [(items, True)] * args.rounds:
