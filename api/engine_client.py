@@ -94,6 +94,39 @@ class EngineError(Exception):
 ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
 
 
+@dataclass(slots=True)
+class ColumnToken:
+    """A plain decode token from an Outputs message's token columns, queued as it came;
+    RequestGroup.batches joins a request's queued ones into one RequestOutput."""
+
+    request_id: str
+    token: int
+    finished = False
+
+
+Queued = wire.RequestOutput | ColumnToken
+
+
+def coalesced(items: list[Queued]) -> list[wire.RequestOutput]:
+    """items in order, each run of a request's column tokens one output with those tokens
+    (a plain token carries nothing but its id, so k of them read as one k-token output)."""
+    outputs: list[wire.RequestOutput] = []
+    open_runs: dict[str, list[int]] = {}  # request -> the token list of its run being built
+    for item in items:
+        if type(item) is ColumnToken:
+            run = open_runs.get(item.request_id)
+            if run is not None:
+                run.append(item.token)
+                continue
+            seq = wire.SequenceOutput(0, [item.token])
+            open_runs[item.request_id] = seq.new_token_ids
+            outputs.append(wire.RequestOutput(item.request_id, True, [seq]))
+        else:
+            open_runs.pop(item.request_id, None)  # (its later tokens come after it)
+            outputs.append(item)
+    return outputs
+
+
 @dataclass
 class RequestGroup:
     """The engine requests behind one HTTP request (one per prompt), sharing one queue."""
@@ -103,7 +136,7 @@ class RequestGroup:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: set[str] = field(default_factory=set)
     engine_stop_strings: set[str] = field(default_factory=set)  # see wire.RequestOutput
-    _buffered: list[wire.RequestOutput] = field(default_factory=list)
+    _buffered: list[Queued] = field(default_factory=list)
 
     async def accepted(self) -> None:
         """Raise EngineError (and abort the others) if any request was rejected."""
@@ -111,7 +144,7 @@ class RequestGroup:
         error: EngineError | None = None
         while waiting:
             out = await self._next()
-            if out.request_id in waiting:
+            if type(out) is not ColumnToken and out.request_id in waiting:
                 waiting.discard(out.request_id)
                 if not out.accepted or out.error_code is not None:
                     self.finished.add(out.request_id)
@@ -130,10 +163,10 @@ class RequestGroup:
             self.abort()
             raise error
 
-    async def _next(self) -> wire.RequestOutput:
+    async def _next(self) -> Queued:
         return self._take(await self.queue.get())
 
-    def _take(self, item: wire.RequestOutput | EngineError) -> wire.RequestOutput:
+    def _take(self, item: Queued | EngineError) -> Queued:
         if isinstance(item, EngineError):
             raise item
         if item.finished:
@@ -141,15 +174,16 @@ class RequestGroup:
         return item
 
     async def batches(self):
-        """Yield lists of outputs, each all that is queued, until every request is finished."""
+        """Yield lists of outputs, each all that is queued (coalesced), until every request
+        is finished."""
         if self._buffered:
             batch, self._buffered = self._buffered, []
-            yield batch
+            yield coalesced(batch)
         while len(self.finished) < len(self.request_ids):
             batch = [await self._next()]
             while not self.queue.empty() and len(self.finished) < len(self.request_ids):
                 batch.append(self._take(self.queue.get_nowait()))
-            yield batch
+            yield coalesced(batch)
 
     def engine_stops(self, request_id: str) -> bool:
         """The coordinator detects this request's stop strings (wire.RequestOutput)."""
@@ -176,12 +210,11 @@ class EngineClient:
         self,
         ipc_dir: str,
         on_stats: Callable[[wire.EngineStats], None] = lambda s: None,
-        on_outputs: Callable[[wire.RequestOutput], None] = lambda o: None,
         on_stopped: Callable[[], None] = lambda: None,
     ):
         """on_stopped: called once the engine says it has stopped (wire.Shutdown, stopped)."""
         self.ipc_dir = ipc_dir
-        self.on_stats, self.on_outputs, self.on_stopped = on_stats, on_outputs, on_stopped
+        self.on_stats, self.on_stopped = on_stats, on_stopped
         self._ctx = zmq.asyncio.Context()
         self._push = zmq.Context.shadow(self._ctx).socket(zmq.PUSH)  # sync: sends never await
         self._push.setsockopt(zmq.SNDHWM, 0)
@@ -278,16 +311,26 @@ class EngineClient:
             except Exception:  # a bad message must not kill the reader
                 log.exception("cannot handle a message from the engine")
 
+    def _route(self, out: wire.RequestOutput) -> None:
+        group = self._routes.get(out.request_id)
+        if group is not None:
+            if out.finished:
+                del self._routes[out.request_id]
+            group.queue.put_nowait(out)
+
     def _dispatch(self, message: object) -> None:
         self.last_message_time = time.monotonic()
         if isinstance(message, wire.Outputs):
-            for out in message:  # the token columns expanded
-                self.on_outputs(out)
-                group = self._routes.get(out.request_id)
+            routes = self._routes
+            for out in message.outputs:
+                self._route(out)
+            for request_id, token in zip(message.token_request_ids, message.new_token_ids):
+                group = routes.get(request_id)
                 if group is not None:
-                    if out.finished:
-                        del self._routes[out.request_id]
-                    group.queue.put_nowait(out)
+                    group.queue.put_nowait(ColumnToken(request_id, token))
+            if message.row_request_ids:
+                for out in message.row_outputs():
+                    self._route(out)
         elif isinstance(message, wire.EngineStats):
             self.stats = message
             self.on_stats(message)

@@ -122,9 +122,10 @@ class Outputs:
         for request_id, token in zip(self.token_request_ids, self.new_token_ids):
             yield RequestOutput(request_id, True, [SequenceOutput(0, [token])])
         if self.row_request_ids:
-            yield from self._row_outputs()
+            yield from self.row_outputs()
 
-    def _row_outputs(self) -> Iterator[RequestOutput]:
+    def row_outputs(self) -> Iterator[RequestOutput]:
+        """The row columns' entries, each as its request's output."""
         rows = self.rows
         dtype, width, data = rows["dtype"], list(rows["shape"][1:]), rows["data"]
         size = len(data) // len(self.row_request_ids)
