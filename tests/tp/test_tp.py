@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoints import make_tiny_checkpoint
+from tests.helpers.tiny_config import TINY_QWEN3
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "helpers" / "tp_generate.py"
@@ -287,22 +288,7 @@ def test_tp2_running_ahead_under_preemption_and_prefix_caching(tmp_path):
 
 
 def _tiny_config_text() -> str:
-    return json.dumps(
-        {
-            "architectures": ["Qwen3ForCausalLM"],
-            "vocab_size": 512,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 1024,
-            "tie_word_embeddings": True,
-            "eos_token_id": 2,
-            "torch_dtype": "float32",
-        }
-    )
+    return json.dumps(TINY_QWEN3)
 
 
 def _tiny_config(tmp_path: Path) -> Path:

@@ -14,22 +14,10 @@ import pytest
 import torch
 
 from tapserve.bench import roofline
+from tests.helpers.tiny_config import TINY_QWEN3
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 1024,
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-}
+TINY = TINY_QWEN3
 
 
 def test_copy_bandwidth_on_cpu_is_plausible():
