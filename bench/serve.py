@@ -5,8 +5,10 @@ produces exactly its output length) at a fixed concurrency or with Poisson arriv
 reports TTFT, TPOT, ITL (p50 / p99) and output tokens/s (vLLM's definitions: TPOT =
 (latency - TTFT) / (output tokens - 1) per request; ITL = gaps between streamed chunks), SSE
 events per token (events carrying tokens / tokens streamed) and the output tokens streamed.
-The HTTP client runs in a process of its own (`--client-cores 12-15` pins it to those cores
-and a server started with --launch to the others).
+The HTTP client (a lean HTTP/1.1 reader, so that the server is what is measured) runs in
+processes of its own (`--client-procs`, requests dealt out in turn, one common start;
+`--client-cores 12-15` pins them to those cores and a server started with --launch to the
+others). `--rounds N` runs the workload N times and reports the round of median wall time.
 
     python bench/serve.py --url http://127.0.0.1:8000 --concurrency 64 --num-requests 256
     python bench/serve.py --request-rate 16 ...                 # Poisson arrivals
@@ -16,8 +18,9 @@ and a server started with --launch to the others).
         --concurrency 64 --compare-engine
     # the demo model (vocabulary 1024): --launch "" --max-token-id 1000
     # bench/offline.py's nano-vllm workload over HTTP (133,966 output tokens), 256 streams:
-    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json" \
-        --workload nano-vllm --concurrency 256 --client-cores 12-15
+    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json --no-prefix-caching" \
+        --workload nano-vllm --concurrency 256 --client-cores 12-15 --client-procs 4 \
+        --rounds 3 --compare-engine
     # capacity under a latency target: Poisson rates, a table and a plot in --out-dir, and the
     # highest rate within --ttft-p99-ms / --tpot-p99-ms; --head last-prompt adds a custom
     # output on each request's last prompt token (the server needs a --custom-module whose
