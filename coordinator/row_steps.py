@@ -33,7 +33,7 @@ class RowSteps:
         self.tokens, self.stats, self.fail = tokens, stats, fail
         self._ended: list[Request] = []  # requests whose sequences these rows ended
         self._steady: _SteadyRows | None = None
-        self._request_ids: list[str] = []  # of the rows last sent in bulk
+        self._bulk_ids: list[str] | None = None  # the last place_ahead's, if it sent in bulk
 
     @staticmethod
     def stop_rows(seqs: list[Sequence], positions: list[int]) -> list[int]:
@@ -104,7 +104,7 @@ class RowSteps:
         how many rows left in the row columns."""
         seqs, every = rows.seqs, list(range(len(rows.seqs)))
         self._ended = []
-        steady, self._steady = self._steady, None
+        steady, self._steady, self._bulk_ids = self._steady, None, None
         sent = 0
         if rows.error is not None:
             self._fail_all(seqs, every, f"custom output processor failed: {rows.error}")
@@ -112,12 +112,13 @@ class RowSteps:
             host = rows.pending.wait()
             plain = host.stops is None or not host.stops.any()
             if plain and steady is not None and steady.next_of(rows, self.tokens.num_finished):
-                self._send_in_bulk(columns, rows, host, self._request_ids, steady.tokens)
+                self._bulk_ids = steady.request_ids
+                self._send_in_bulk(columns, rows, host, steady.request_ids, steady.tokens)
                 sent = len(seqs)
             elif plain and all(map(_next_row_is_plain, seqs, rows.positions)):
-                self._request_ids = [seq.request.request_id for seq in seqs]
+                self._bulk_ids = [seq.request.request_id for seq in seqs]
                 tokens = [seq.token_ids[p] for seq, p in zip(seqs, rows.positions)]
-                self._send_in_bulk(columns, rows, host, self._request_ids, tokens)
+                self._send_in_bulk(columns, rows, host, self._bulk_ids, tokens)
                 sent = len(seqs)
             else:
                 sent = self.place(host, seqs, rows.positions, every, every, columns)
@@ -127,8 +128,11 @@ class RowSteps:
     def note_steady(self, serial: int, tokens: list[int]) -> None:
         """The run-ahead step of batch `serial` sent every row in bulk and gave each sequence
         a plain token (`tokens`, in row order) and nothing finished: the next step's rows,
-        if its batch follows this one unchanged, are plain too (their tokens are these)."""
-        self._steady = _SteadyRows(serial, self.tokens.num_finished, tokens)
+        if its batch follows this one unchanged, are plain too (their tokens are these).
+        Remembered only when the last place_ahead sent its rows in bulk (their request ids
+        are the next step's)."""
+        if self._bulk_ids is not None:
+            self._steady = _SteadyRows(serial, self.tokens.num_finished, tokens, self._bulk_ids)
 
     def _send_in_bulk(
         self,
@@ -244,12 +248,13 @@ def _next_row_is_plain(seq: Sequence, position: int) -> bool:
 
 @dataclass
 class _SteadyRows:
-    """RowSteps.note_steady's memory: the batch, the engine's finish count then, and the
-    tokens its sequences gained (the next step's rows' tokens)."""
+    """RowSteps.note_steady's memory: the batch, the engine's finish count then, the tokens
+    its sequences gained and their request ids (the next step's rows')."""
 
     serial: int
     num_finished: int
     tokens: list[int]
+    request_ids: list[str]
 
     def next_of(self, rows: AheadRows, num_finished: int) -> bool:
         """rows are the next step's of this batch, unchanged, and nothing finished since."""
