@@ -13,7 +13,6 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,36 +24,9 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
 from tapserve.bench import roofline  # noqa: E402
 from tapserve.bench.offline import config_dir, print_step_profile  # noqa: E402
+from tapserve.bench.step_cost import ModelCost  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.offline import LLM  # noqa: E402
-
-if TYPE_CHECKING:
-    from tapserve.ranks.runner import ModelRunner
-
-
-def weight_bytes(runner: ModelRunner) -> int:
-    """Weight bytes a decode step reads on this rank: every parameter once (the embedding only
-    for the batch rows, negligible, so it is left out unless tied to the LM head)."""
-    total = 0
-    for name, p in runner.model.named_parameters():
-        if name == "embed_tokens.weight" and not runner.model_cfg.tie_word_embeddings:
-            continue
-        total += p.numel() * p.element_size()
-    return total
-
-
-def decode_flops(runner: ModelRunner, batch: int, mean_context: float) -> float:
-    """FLOPs of a decode step on this rank: 2 per weight per row (the weights weight_bytes
-    counts) and attention's 4 per cached token per query head and head dimension (QK^T, PV)."""
-    cfg = runner.model_cfg
-    params = sum(
-        p.numel()
-        for name, p in runner.model.named_parameters()
-        if name != "embed_tokens.weight" or cfg.tie_word_embeddings
-    )
-    heads = cfg.num_attention_heads // runner.tp.size
-    attention = 4 * cfg.num_hidden_layers * heads * cfg.head_dim * mean_context
-    return batch * (2 * params + attention)
 
 
 def sync() -> None:
@@ -173,8 +145,8 @@ def main() -> None:
             enable_prefix_caching=False,
         )
     )
-    wbytes = weight_bytes(llm.runner)
-    kv_per_token = llm.runner.block_bytes() // llm.runner.cfg.block_size
+    cost = ModelCost.of(llm.runner)
+    wbytes, kv_per_token = cost.weight_bytes, cost.kv_bytes_per_token
     rows = []
     for b in batches:
         need = b * -(-run_len // llm.runner.cfg.block_size)
@@ -190,7 +162,7 @@ def main() -> None:
                 break
             read = wbytes + b * mean_context * kv_per_token
             floor = roofline.step_floor(
-                read, decode_flops(llm.runner, b, mean_context), bandwidth, flops_per_s
+                read, cost.decode_flops(b, mean_context), bandwidth, flops_per_s
             )
             rows.append(
                 {

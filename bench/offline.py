@@ -1,7 +1,9 @@
 """Offline throughput on the nano-vllm workload (DESIGN.md "Reference workloads"):
 256 sequences, random.seed(0), prompt ids uniform in [0, 10000], input and output lengths
 uniform in [100, 1024], ignore_eos, temperature 0.6. Prints output tokens / wall time
-(prefill included) and the ratio to a roofline floor when given.
+(prefill included) and, on a GPU, the ratio to the workload's roofline floor: the sum of its
+steps' floors max(bytes / B, FLOPs / F) (bench/step_cost.py), B and F measured first in the
+same run (bench/roofline.py).
 
     python bench/offline.py --model-config ../shared/reference/configs/qwen3-0.6b.json
     python bench/offline.py --model DIR [--custom-module examples/reward_head.py]
@@ -13,9 +15,10 @@ computes every prompt), and reports both the best and the median round of each, 
 round's engine_steps_ahead / engine_steps. `--ab-params '{"position": [-3]}'` turns the head
 on for every generated token (with bench/last_token_head.py:PairLinearHead, [hidden -> 2]).
 
-`--step-kinds` also reports, per plan kind (prefill, mixed, decode), the number of steps and
-the wall seconds of the engine steps that ran them (each step ends in a host sync on its
-sampled tokens, so a step's wall time is its GPU time plus its host work).
+`--step-kinds` also reports, per plan kind (prefill, mixed, decode), the number of steps, the
+wall seconds of the engine steps that ran them and the sum of their floors (a step's wall time
+is its GPU time plus the host work not hidden behind it; under asynchronous scheduling a step
+call waits for the step before, so the split between kinds is approximate).
 
 `--profile-steps N` instead runs the workload's first N steps twice (the first time to
 compile, then aborted) and prints torch.profiler's GPU kernel time of the second, per kernel:
@@ -39,8 +42,12 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
 
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
+import torch  # noqa: E402
+
 from tapserve.api.gc_policy import settle_after_startup  # noqa: E402
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench import roofline  # noqa: E402
+from tapserve.bench.step_cost import ModelCost  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.engine import Engine  # noqa: E402
 from tapserve.coordinator.offline import LLM  # noqa: E402
@@ -167,28 +174,52 @@ def profile_first_steps(
         engine.step()  # the aborts' outputs
 
 
-def time_step_kinds(engine) -> dict[str, list]:
-    """Wrap engine.step and the planner: {plan kind: [steps, seconds]}, filled as it runs."""
-    kinds: dict[str, list] = {}
-    last_kind = [None]
-    build, step = engine.planner.build, engine.step
+class StepMeter:
+    """Wraps an engine's planner.build and step: per plan kind (prefill, mixed, decode), the
+    steps, the wall seconds of the engine steps that ran them and, given a cost model and the
+    machine's B and F, the sum of their floors. reset() starts a new count."""
 
-    def kind_noting_build(batch):
-        plan, rows = build(batch)
-        last_kind[0] = plan.kind.name.lower()
-        return plan, rows
+    def __init__(self, engine: Engine, cost: ModelCost | None, machine: dict | None) -> None:
+        self.kinds: dict[str, list[float]] = {}
+        self._kind: str | None = None
+        build, step = engine.planner.build, engine.step
 
-    def timed_step():
-        last_kind[0] = None
-        start = time.perf_counter()
-        outputs = step()
-        entry = kinds.setdefault(last_kind[0] or "idle", [0, 0.0])
-        entry[0] += 1
-        entry[1] += time.perf_counter() - start
-        return outputs
+        def noting_build(batch):
+            plan, rows = build(batch)
+            self._kind = plan.kind.name.lower()
+            if cost is not None and machine is not None:
+                floor = cost.step_floor(
+                    plan, machine["copy_bytes_per_s"], machine["bf16_flops_per_s"]
+                )
+                self._entry(self._kind)[2] += floor
+            return plan, rows
 
-    engine.planner.build, engine.step = kind_noting_build, timed_step
-    return kinds
+        def timed_step():
+            self._kind = None
+            start = time.perf_counter()
+            outputs = step()
+            entry = self._entry(self._kind or "idle")
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+            return outputs
+
+        engine.planner.build, engine.step = noting_build, timed_step
+
+    def _entry(self, kind: str) -> list[float]:
+        return self.kinds.setdefault(kind, [0, 0.0, 0.0])
+
+    def reset(self) -> None:
+        self.kinds = {}
+
+    @property
+    def floor_seconds(self) -> float:
+        return sum(floor for _, _, floor in self.kinds.values())
+
+    def report(self) -> dict[str, dict]:
+        return {
+            kind: {"steps": n, "seconds": round(t, 3), "floor_seconds": round(floor, 4)}
+            for kind, (n, t, floor) in self.kinds.items()
+        }
 
 
 def async_ab(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], rounds: int) -> None:
@@ -235,7 +266,13 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--floor-seconds", type=float, help="roofline floor to report the ratio to")
+    p.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        help="measure B and F (bench/roofline.py) first and report the workload's floor, the "
+        "sum of its steps' floors (default: on a GPU)",
+    )
+    roofline.add_arguments(p)
     p.add_argument("--json", help="write the figures to this file")
     p.add_argument(
         "--step-kinds",
@@ -279,6 +316,12 @@ def main() -> None:
     if args.ab_rounds and not args.custom_module:
         p.error("--ab-rounds needs --custom-module")
     model = args.model or config_dir(args.model_config)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.floor is None:
+        args.floor = device == "cuda"
+    machine = roofline.measure(device, args.copy_bytes, args.gemm_size) if args.floor else None
+    if machine:
+        print(roofline.describe(machine), flush=True)
     config = EngineConfig(
         model=model,
         load_format="safetensors" if args.model else "dummy",
@@ -306,10 +349,14 @@ def main() -> None:
     if args.profile_steps:
         profile_first_steps(llm, prompts, params, args.profile_steps)
         return
-    kinds = time_step_kinds(llm.engine) if args.step_kinds else None
+    meter = None
+    if args.step_kinds or machine:
+        meter = StepMeter(llm.engine, ModelCost.of(llm.runner), machine)
     custom = json.loads(args.custom_params) if args.custom_params else None
     rounds = []
     for _ in range(args.rounds):
+        if meter:
+            meter.reset()
         start = time.perf_counter()
         per_request = custom and [custom] * len(prompts)
         results = llm.generate(prompts, params, custom_output_params=per_request)
@@ -328,10 +375,12 @@ def main() -> None:
     }
     if args.rounds > 1:
         figures["round_seconds"] = rounds
-    if args.floor_seconds:
-        figures["ratio_to_floor"] = round(elapsed / args.floor_seconds, 2)
-    if kinds is not None:
-        figures["step_kinds"] = {k: [n, round(t, 3)] for k, (n, t) in kinds.items()}
+    if machine and meter:
+        figures["machine"] = machine
+        figures["floor_seconds"] = round(meter.floor_seconds, 4)  # the last round's
+        figures["ratio_to_floor"] = round(elapsed / meter.floor_seconds, 3)
+    if args.step_kinds and meter:
+        figures["step_kinds"] = meter.report()
     print(json.dumps(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -1,4 +1,5 @@
-"""Prefill of one long prompt: model FLOP utilisation against 790 TFLOP/s (bf16 GEMM, H200).
+"""Prefill of one long prompt: model FLOP utilisation against F, a bf16 GEMM's throughput
+measured first in the same run (bench/roofline.py).
 
 python bench/prefill.py --model-config bench/configs/qwen3-8b.json --tokens 4096
 """
@@ -18,11 +19,10 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
+from tapserve.bench import roofline  # noqa: E402
 from tapserve.bench.offline import config_dir  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.offline import LLM  # noqa: E402
-
-PEAK_FLOPS = 790e12
 
 
 def model_flops(llm: LLM, tokens: int) -> float:
@@ -48,7 +48,10 @@ def main() -> None:
     p.add_argument("--model-config", required=True)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
+    roofline.add_arguments(p)
     args = p.parse_args()
+    machine = roofline.measure("cuda", args.copy_bytes, args.gemm_size)
+    print(roofline.describe(machine), flush=True)
     llm = LLM(
         EngineConfig(
             model=config_dir(args.model_config),
@@ -76,7 +79,8 @@ def main() -> None:
                 "tokens": args.tokens,
                 "seconds": round(best, 4),
                 "tflops": round(flops / best / 1e12, 1),
-                "mfu": round(flops / best / PEAK_FLOPS, 3),
+                "mfu": round(flops / best / machine["bf16_flops_per_s"], 3),
+                "device_name": machine["device_name"],
             }
         )
     )

@@ -25,8 +25,8 @@ others). `--rounds N` runs the workload N times and reports the round of median 
     # highest rate within --ttft-p99-ms / --tpot-p99-ms; --head last-prompt adds a custom
     # output on each request's last prompt token (the server needs a --custom-module whose
     # selector honours "position", e.g. bench/last_token_head.py:LastTokenLinearHead)
-    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json" \
-        --sweep-rates 2,4,8,16,32 --num-requests 512 --out-dir sweep --client-cores 12-15
+    python bench/serve.py --launch "--model-config bench/configs/qwen3-0.6b.json --no-prefix-caching" \
+        --sweep-rates 2,4,8,16,32 --sweep-seconds 30 --out-dir sweep --client-cores 12-15
 
 `--model-config FILE` inside --launch is expanded to `--model DIR --load-format dummy
 --tokenizer TOK` with a synthetic word-level tokenizer of the config's vocabulary size (the
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -91,6 +92,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
+def _span_rate(times: list[float]) -> float:
+    """Events per second from the first to the last of `times` (NaN for fewer than two, or
+    all at once): applied to arrivals, the rate the Poisson draw offered; to the ends of the
+    requests served, the rate the server achieved, free of the first request's latency and
+    of the drain after the last arrival."""
+    span = max(times) - min(times) if len(times) > 1 else 0.0
+    return (len(times) - 1) / span if span > 0 else float("nan")
+
+
 def summarize(results: list[Result], wall: float) -> dict:
     ok = [r for r in results if r.error is None]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -107,6 +117,8 @@ def summarize(results: list[Result], wall: float) -> dict:
         "sse_events_per_token": events / tokens if tokens else float("nan"),
         "output_tok_per_s": tokens / wall if wall else 0.0,
         "requests_per_s": len(ok) / wall if wall else 0.0,
+        "offered_requests_per_s": _span_rate([r.arrival for r in results]),
+        "achieved_requests_per_s": _span_rate([r.ended for r in ok]),
     }
     for name, values in (
         ("ttft_ms", [r.ttft for r in ok]),
@@ -243,6 +255,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated Poisson rates, each run on the same requests: a table and a plot "
         "in --out-dir and the highest rate within the targets",
     )
+    p.add_argument(
+        "--sweep-seconds",
+        type=float,
+        help="with --sweep-rates: each rate sends the first rate x this many requests (about "
+        "this many seconds of arrivals) instead of --num-requests",
+    )
     p.add_argument("--out-dir", default="serve_sweep", help="where --sweep-rates writes")
     p.add_argument("--label", default="", help="named in the sweep's title (GPU, model)")
     p.add_argument("--ttft-p99-ms", type=float, default=1000.0, help="the sweep's TTFT target")
@@ -291,7 +309,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds repeats the prompts: add --no-prefix-caching to --launch")
     if args.sweep_rates and args.compare_engine:
         p.error("--compare-engine compares one run: leave out --sweep-rates")
+    if args.sweep_rates and args.launch is not None and "--no-prefix-caching" not in args.launch:
+        p.error(
+            "--sweep-rates repeats the prompts at each rate: add --no-prefix-caching to --launch"
+        )
+    if args.sweep_seconds and args.sweep_rates:
+        top = max(float(r) for r in args.sweep_rates.split(","))
+        args.num_requests = max(2, math.ceil(top * args.sweep_seconds))
     return args
+
+
+def requests_at(args: argparse.Namespace, items: list, rate: float) -> list:
+    """The requests a rate sends: all, or with --sweep-seconds the first rate x seconds."""
+    if not (args.sweep_seconds and rate):
+        return items
+    return items[: max(2, math.ceil(rate * args.sweep_seconds))]
 
 
 def run_rates(
@@ -300,15 +332,16 @@ def run_rates(
     """The workload at each rate, in the client's own process: each rate's summary, with the
     output tokens the requests ask for (ignore_eos: each runs to its max_tokens)."""
     cores = parse_cores(args.client_cores) if args.client_cores else None
-    expected = sum(n for _, n in items)
     runs = []
     with client_pool(cores, args.client_procs) as pool:
         if args.warmup:
             pool.submit(warm_up, args, url, [p for p, _ in items[: args.warmup]]).result()
         for rate in rates:
+            sent = requests_at(args, items, rate)
+            expected = sum(n for _, n in sent)
             rounds = []
             for _ in range(args.rounds):
-                raw, wall, client_cores = run_clients(pool, args, url, items, rate)
+                raw, wall, client_cores = run_clients(pool, args, url, sent, rate)
                 rounds.append(summarize([Result(**r) for r in raw], wall))
             summary = median_round(rounds)
             runs.append(

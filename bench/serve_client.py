@@ -21,7 +21,8 @@ import httpx
 @dataclass
 class Result:
     """One request: seconds to the first token and to the end, gaps between token events,
-    tokens streamed (the usage chunk's count) and the SSE events that carried them."""
+    tokens streamed (the usage chunk's count) and the SSE events that carried them; its
+    arrival (when it was due) and end in seconds from the run's start."""
 
     ttft: float = 0.0
     latency: float = 0.0
@@ -29,6 +30,8 @@ class Result:
     output_tokens: int = 0
     token_events: int = 0
     error: str | None = None
+    arrival: float = 0.0
+    ended: float = 0.0
 
 
 def carries_tokens(choice: dict) -> bool:
@@ -151,7 +154,9 @@ async def run_http(
     async def arriving(at: float, prompt: list[int], n: int) -> Result:
         await asyncio.sleep(max(0.0, start_at + at - time.monotonic()))
         async with gate:
-            return await one_request(url, headers, model, prompt, n, request_extras(args, prompt))
+            res = await one_request(url, headers, model, prompt, n, request_extras(args, prompt))
+        res.arrival, res.ended = at, time.monotonic() - start_at
+        return res
 
     results = await asyncio.gather(*(arriving(at, p, n) for at, p, n in share))
     return list(results), time.monotonic()

@@ -18,8 +18,8 @@ if not __package__:  # run as a script from a checkout: bind `tapserve` to it
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "_checkout.py"))
 
 from tapserve.api.sampling_params import SamplingParams  # noqa: E402
-from tapserve.bench.decode_sweep import weight_bytes  # noqa: E402
 from tapserve.bench.offline import config_dir, print_step_profile, workload  # noqa: E402
+from tapserve.bench.step_cost import ModelCost  # noqa: E402
 from tapserve.coordinator.config import EngineConfig  # noqa: E402
 from tapserve.coordinator.startup import rank0_engine, stop_group  # noqa: E402
 from tapserve.ranks.plan import StepKind, StepPlan  # noqa: E402
@@ -179,7 +179,7 @@ def main() -> None:
         # what one batch-1 step reads on a rank: weights (not the embedding table, of which
         # a step reads one row) and the KV cache at the timed steps' mean context
         "batch1_mean_context": mean_context,
-        "batch1_read_bytes_per_rank": weight_bytes(runner)
+        "batch1_read_bytes_per_rank": ModelCost.of(runner).weight_bytes
         + round(mean_context * kv_bytes_per_token),
     }
     Path(args.json).write_text(json.dumps(figures))

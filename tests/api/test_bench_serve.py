@@ -50,7 +50,8 @@ def test_head_on_the_last_prompt_token_and_cores():
 
 def test_rate_sweep_against_the_demo_model(tmp_path):
     """Two rates: a table row and a point per rate, the printed best rate the highest row
-    within the targets, every token streamed, and the client on the core it was given."""
+    within the targets, each rate's share of the requests (--sweep-seconds 0.5: 2 and 20),
+    every token streamed, and the client on the core it was given."""
     client_core = max(os.sched_getaffinity(0))
     out = tmp_path / "sweep"
     proc = subprocess.run(
@@ -58,13 +59,13 @@ def test_rate_sweep_against_the_demo_model(tmp_path):
             sys.executable,
             "bench/serve.py",
             "--launch",
-            "--custom-module bench/last_token_head.py:LastTokenLinearHead",
+            "--custom-module bench/last_token_head.py:LastTokenLinearHead --no-prefix-caching",
             "--port",
             str(free_port()),
             "--max-token-id",
             "1000",
-            "--num-requests",
-            "4",
+            "--sweep-seconds",
+            "0.5",
             "--input-len",
             "8",
             "--output-len",
@@ -97,11 +98,50 @@ def test_rate_sweep_against_the_demo_model(tmp_path):
     assert figures["best_rate"] == (max(held) if held else None)
     best = re.search(r"highest rate within .*: (\S+)", proc.stdout)[1]
     assert best == (f"{max(held):g}" if held else "none")
+    assert [run["requests"] for run in figures["runs"]] == [2, 20]
     for run in figures["runs"]:
         assert run["failed"] == 0, run.get("errors")  # the head took every position
-        assert run["output_tokens"] == run["expected_output_tokens"] == 4 * 5
+        assert run["output_tokens"] == run["expected_output_tokens"] == run["requests"] * 5
+        assert run["offered_requests_per_s"] > 0 and run["achieved_requests_per_s"] > 0
         assert 0 < run["sse_events_per_token"] <= 1
         assert run["client_cores"] == [client_core]
+
+
+def test_sweeps_repeat_prompts_so_need_prefix_caching_off():
+    from tapserve.bench import serve
+
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--launch", "", "--sweep-rates", "2,4"])
+    args = serve.parse_args(
+        ["--launch=--no-prefix-caching", "--sweep-rates", "2,8", "--sweep-seconds", "10"]
+    )
+    items = list(range(args.num_requests))
+    assert len(items) == 80
+    assert serve.requests_at(args, items, 2.0) == items[:20]
+    assert serve.requests_at(args, items, 8.0) == items
+
+
+def test_achieved_rate_is_measured_over_the_span_of_the_ends():
+    """Requests that arrive 0.1 s apart and end 0.1 s apart were served at the offered rate,
+    whatever their latency and the run's drain; ends 0.2 s apart are half of it."""
+    from tapserve.bench.serve import summarize
+    from tapserve.bench.serve_client import Result
+    from tapserve.bench.serve_report import Targets
+
+    def run(gap: float) -> dict:
+        results = [
+            Result(ttft=0.05, latency=1.0, output_tokens=3, arrival=i / 10, ended=3 + i * gap)
+            for i in range(11)
+        ]
+        return {"rate": 10.0, **summarize(results, wall=6.0)}
+
+    kept, behind = run(0.1), run(0.2)
+    assert kept["offered_requests_per_s"] == pytest.approx(10.0)
+    assert kept["achieved_requests_per_s"] == pytest.approx(10.0)
+    assert behind["achieved_requests_per_s"] == pytest.approx(5.0)
+    assert kept["requests_per_s"] == pytest.approx(11 / 6.0)  # completed / wall: drain and all
+    targets = Targets(ttft_p99_ms=1000, tpot_p99_ms=1e9)
+    assert targets.held(kept) and not targets.held(behind)
 
 
 def test_token_events_are_the_events_logprobs_give_tokens(http):

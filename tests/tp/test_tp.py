@@ -397,12 +397,10 @@ def test_tp_sweep_runs_on_cpu(tmp_path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_bench_weight_bytes_leave_out_an_untied_embedding(tied):
-    """The weight bytes a decode step reads (bench/decode_sweep.weight_bytes, which tp_sweep's
+    """The weight bytes a decode step reads (bench/step_cost.ModelCost, which tp_sweep's
     efficiency uses): every parameter once, but not an embedding table of its own, of which
     a step reads one row per sequence."""
-    from types import SimpleNamespace
-
-    from tapserve.bench.decode_sweep import weight_bytes
+    from tapserve.bench.step_cost import ModelCost
     from tapserve.model.config import ModelConfig
     from tapserve.model.decoder import CausalLM
     from tapserve.model.layers import TPGroup
@@ -413,7 +411,7 @@ def test_bench_weight_bytes_leave_out_an_untied_embedding(tied):
     every = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     expected = every if tied else every - embed.numel() * embed.element_size()
-    assert weight_bytes(SimpleNamespace(model=model, model_cfg=cfg)) == expected
+    assert ModelCost.of_model(model, cfg, 1, 0).weight_bytes == expected
     assert (model.lm_head.weight is embed) == tied
 
 

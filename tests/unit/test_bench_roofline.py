@@ -8,12 +8,13 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from tapserve.bench import roofline
+from tapserve.bench.step_cost import ModelCost
 from tests.helpers.tiny_config import TINY_QWEN3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,31 +107,95 @@ def test_roofline_script_prints_its_figures():
     assert figures["copy_bytes_per_s"] > 0 and "TB/s" in proc.stdout
 
 
-@pytest.mark.parametrize("context", [0, 24])
-def test_decode_flops_match_torch_flop_counter(context):
-    """decode_sweep.decode_flops against FlopCounterMode over one decode step of transformers'
-    Qwen3 (batch 3, `context` tokens cached): matmuls and attention; decode_flops also counts
-    the norm weights (2 FLOPs each, well under 1 % here)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+def _tiny_models():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tapserve.bench.decode_sweep import decode_flops
     from tapserve.model.config import ModelConfig
     from tapserve.model.decoder import CausalLM
     from tapserve.model.layers import TPGroup
 
-    batch = 3
     torch.manual_seed(0)
     config = Qwen3Config(**TINY)
     config._attn_implementation = "eager"  # attention as matmuls, which the counter counts
-    hf = Qwen3ForCausalLM(config).eval()
+    cfg = ModelConfig.from_dict(TINY)
+    cost = ModelCost.of_model(CausalLM(cfg, TPGroup()), cfg, 1, kv_bytes_per_token=0)
+    return Qwen3ForCausalLM(config).eval(), cost
+
+
+@pytest.mark.parametrize("context", [0, 24])
+def test_decode_flops_match_torch_flop_counter(context):
+    """ModelCost.decode_flops against FlopCounterMode over one decode step of transformers'
+    Qwen3 (batch 3, `context` tokens cached): matmuls and attention; the cost model also counts
+    the norm weights (2 FLOPs each, well under 1 % here)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache
+
+    batch = 3
+    hf, cost = _tiny_models()
     cache = DynamicCache()
     with torch.no_grad():
         if context:
             hf(torch.randint(0, 512, (batch, context)), past_key_values=cache, use_cache=True)
         with FlopCounterMode(display=False) as counter:
             hf(torch.randint(0, 512, (batch, 1)), past_key_values=cache, use_cache=True)
-    cfg = ModelConfig.from_dict(TINY)
-    runner = SimpleNamespace(model=CausalLM(cfg, TPGroup()), model_cfg=cfg, tp=TPGroup())
-    ours = decode_flops(runner, batch, mean_context=context + 1)
-    assert ours == pytest.approx(counter.get_total_flops(), rel=0.01)
+    assert cost.decode_flops(batch, mean_context=context + 1) == pytest.approx(
+        counter.get_total_flops(), rel=0.01
+    )
+
+
+def test_step_flops_of_a_mixed_plan_match_torch_flop_counter():
+    """A mixed step's plan (a decode row, a whole prompt, a prompt's second chunk; logits for
+    the last token of each) against FlopCounterMode over transformers running each sequence's
+    new tokens on its cached ones: the counter's eager attention computes the whole
+    queries x keys square, so the causal mask's unused half is taken off it."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DynamicCache
+
+    from tapserve.ranks.plan import StepKind, StepPlan
+
+    hf, cost = _tiny_models()
+    cached_and_new = [(30, 1), (0, 40), (16, 20)]
+    counted = masked = 0.0
+    with torch.no_grad():
+        for cached, new in cached_and_new:
+            cache = DynamicCache()
+            if cached:
+                hf(torch.randint(0, 512, (1, cached)), past_key_values=cache, use_cache=True)
+            with FlopCounterMode(display=False) as counter:
+                hf(
+                    torch.randint(0, 512, (1, new)),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            counted += counter.get_total_flops()
+            masked += cost.attention_flops_per_pair * new * (new - 1) / 2
+    news = [n for _, n in cached_and_new]
+    ends = np.cumsum([0, *news])
+    plan = StepPlan(
+        StepKind.MIXED,
+        input_ids=np.zeros(ends[-1], np.int64),
+        query_start_loc=ends.astype(np.int32),
+        context_lens=np.array([c + n for c, n in cached_and_new], np.int32),
+        logit_rows=ends[1:] - 1,
+    )
+    assert cost.step_flops(plan) == pytest.approx(counted - masked, rel=0.01)
+
+
+def test_step_bytes_and_floor():
+    """Weights once plus the KV of every token attended to; the floor is the larger of the
+    two times."""
+    from tapserve.ranks.plan import StepKind, StepPlan
+
+    cost = ModelCost(1000, 10, 5, kv_bytes_per_token=2, attention_flops_per_pair=4)
+    plan = StepPlan(
+        StepKind.DECODE,
+        input_ids=np.zeros(2, np.int64),
+        query_start_loc=np.array([0, 1, 2], np.int32),
+        context_lens=np.array([7, 9], np.int32),
+        logit_rows=np.array([0, 1]),
+    )
+    assert cost.step_bytes(plan) == 1000 + 2 * 16
+    assert cost.step_flops(plan) == 2 * 10 * 2 + 2 * 5 * 2 + 4 * 16
+    assert cost.step_floor(plan, bytes_per_s=1032.0, flops_per_s=1e9) == pytest.approx(1.0)
+    assert cost.step_floor(plan, bytes_per_s=1e9, flops_per_s=124.0) == pytest.approx(1.0)
