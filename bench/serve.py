@@ -40,9 +40,7 @@ import json
 import math
 import os
 import random
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 if not __package__:  # run as a script from a checkout: bind `tapserve` to it
@@ -57,6 +55,8 @@ from tapserve.bench.serve_client import (  # noqa: E402
     run_clients,
     warm_up,
 )
+from tapserve.bench.serve_engine import run_engine  # noqa: E402
+from tapserve.bench.serve_figures import median_round, print_summary, summarize  # noqa: E402
 from tapserve.bench.serve_launch import expand_launch, start_server  # noqa: E402
 from tapserve.bench.serve_report import Targets, best_rate, sweep_plot, sweep_table  # noqa: E402
 
@@ -83,139 +83,6 @@ def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:
         )
         for _ in range(args.num_requests)
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def _span_rate(times: list[float]) -> float:
-    """Events per second from the first to the last of `times` (NaN for fewer than two, or
-    all at once): applied to arrivals, the rate the Poisson draw offered; to the ends of the
-    requests served, the rate the server achieved, free of the first request's latency and
-    of the drain after the last arrival."""
-    span = max(times) - min(times) if len(times) > 1 else 0.0
-    return (len(times) - 1) / span if span > 0 else float("nan")
-
-
-def summarize(results: list[Result], wall: float) -> dict:
-    ok = [r for r in results if r.error is None]
-    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itl = [x for r in ok for x in r.itl]
-    ms = 1000.0
-    tokens = sum(r.output_tokens for r in ok)
-    events = sum(r.token_events for r in ok)
-    out = {
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "token_events": events,
-        "sse_events_per_token": events / tokens if tokens else float("nan"),
-        "output_tok_per_s": tokens / wall if wall else 0.0,
-        "requests_per_s": len(ok) / wall if wall else 0.0,
-        "offered_requests_per_s": _span_rate([r.arrival for r in results]),
-        "achieved_requests_per_s": _span_rate([r.ended for r in ok]),
-    }
-    for name, values in (
-        ("ttft_ms", [r.ttft for r in ok]),
-        ("tpot_ms", tpot),
-        ("itl_ms", itl),
-        ("latency_ms", [r.latency for r in ok]),
-    ):
-        out[name] = {
-            "mean": statistics.fmean(values) * ms if values else float("nan"),
-            "p50": percentile(values, 50) * ms,
-            "p99": percentile(values, 99) * ms,
-        }
-    errors = sorted({r.error for r in results if r.error})
-    if errors:
-        out["errors"] = errors[:5]
-    return out
-
-
-def median_round(rounds: list[dict]) -> dict:
-    """The round of median wall time (the upper one of an even count), with every round's
-    wall time in "round_walls_s"."""
-    walls = [r["wall_s"] for r in rounds]
-    median = sorted(rounds, key=lambda r: r["wall_s"])[len(rounds) // 2]
-    return {**median, "round_walls_s": walls} if len(rounds) > 1 else median
-
-
-def print_summary(title: str, s: dict) -> None:
-    print(f"\n== {title} ==")
-    print(
-        f"requests {s['requests']} (failed {s['failed']}), wall {s['wall_s']:.2f} s, "
-        f"{s['output_tok_per_s']:.1f} output tok/s, {s['requests_per_s']:.2f} req/s"
-    )
-    if "round_walls_s" in s:
-        walls = ", ".join(f"{w:.3f}" for w in s["round_walls_s"])
-        print(f"  the median of {len(s['round_walls_s'])} rounds (walls {walls} s)")
-    print(
-        f"  output tokens streamed {s['output_tokens']}, in {s['token_events']} SSE events: "
-        f"{s['sse_events_per_token']:.4f} events per token"
-    )
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
-        v = s[name]
-        print(f"  {name:<11} mean {v['mean']:9.2f}  p50 {v['p50']:9.2f}  p99 {v['p99']:9.2f}")
-    for e in s.get("errors", []):
-        print("  error:", e)
-
-
-# ---- the engine in-process (the relay-cost baseline) ---------------------------------------
-def run_engine(
-    launch_argv: list[str], args: argparse.Namespace, items: list[tuple[list[int], int]]
-) -> dict:
-    """The same workload at the same concurrency on coordinator.engine.Engine directly, its
-    median round's summary; per-request timestamps of each step's outputs play the role of
-    streamed chunks."""
-    from tapserve import launch
-    from tapserve.api.gc_policy import settle_after_startup
-    from tapserve.api.sampling_params import SamplingParams
-    from tapserve.coordinator.startup import build_engine, build_runner
-
-    config = launch.engine_config(launch.parse_args(launch_argv))
-    engine = build_engine(config, build_runner(config))
-    settle_after_startup()  # as the served rank 0 (launch.py)
-    warm = [(p, 8) for p, _ in items[: args.warmup]]
-    rounds = []
-    for batch, measure in [(warm, False)] + [(items, True)] * args.rounds:
-        results: dict[str, Result] = {}
-        added: dict[str, float] = {}
-        last: dict[str, float] = {}
-        in_flight: set[str] = set()
-        pending = list(enumerate(batch))
-        limit = args.concurrency or len(batch)
-        start = time.perf_counter()
-        while pending or engine.has_work():
-            while pending and len(in_flight) < limit:
-                i, (prompt, n) = pending.pop(0)
-                rid = f"bench-{measure}-{i}"
-                engine.add_request(
-                    rid, prompt, SamplingParams(max_new_tokens=n, temperature=0.6, ignore_eos=True)
-                )
-                added[rid] = time.perf_counter()
-                in_flight.add(rid)
-            for out in engine.step():
-                now = time.perf_counter()
-                res = results.setdefault(out.request_id, Result())
-                new = sum(len(s.new_token_ids) for s in out.sequences)
-                if new:
-                    if out.request_id in last:
-                        res.itl.append(now - last[out.request_id])
-                    else:
-                        res.ttft = now - added[out.request_id]
-                    last[out.request_id] = now
-                    res.output_tokens += new
-                if out.finished:
-                    res.latency = now - added[out.request_id]
-                    in_flight.discard(out.request_id)
-        if measure:
-            rounds.append(summarize(list(results.values()), time.perf_counter() - start))
-    return median_round(rounds)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
