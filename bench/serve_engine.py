@@ -16,12 +16,12 @@ def run_engine(
     """The same workload at the same concurrency on coordinator.engine.Engine directly, its
     median round's summary; per-request timestamps of each step's outputs play the role of
     streamed chunks."""
-    from tapserve import launch
+    from tapserve import launch_flags
     from tapserve.api.gc_policy import settle_after_startup
     from tapserve.api.sampling_params import SamplingParams
     from tapserve.coordinator.startup import build_engine, build_runner
 
-    config = launch.engine_config(launch.parse_args(launch_argv))
+    config = launch_flags.engine_config(launch_flags.parse_args(launch_argv))
     engine = build_engine(config, build_runner(config))
     settle_after_startup()  # as the served rank 0 (launch.py)
     warm = [(p, 8) for p, _ in items[: args.warmup]]

@@ -124,8 +124,8 @@ def test_sweeps_repeat_prompts_so_need_prefix_caching_off():
 def test_achieved_rate_is_measured_over_the_span_of_the_ends():
     """Requests that arrive 0.1 s apart and end 0.1 s apart were served at the offered rate,
     whatever their latency and the run's drain; ends 0.2 s apart are half of it."""
-    from tapserve.bench.serve_figures import summarize
     from tapserve.bench.serve_client import Result
+    from tapserve.bench.serve_figures import summarize
     from tapserve.bench.serve_report import Targets
 
     def run(gap: float) -> dict:

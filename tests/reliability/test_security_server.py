@@ -128,10 +128,10 @@ def test_zmq_sockets_only_ipc_in_private_dir(server):
 
 
 def test_only_loopback_listens_and_default_bind(server):
-    from tapserve import launch
+    from tapserve import launch_flags
     from tapserve.api.config import ApiConfig
 
-    assert launch.parse_args([]).host == "127.0.0.1"
+    assert launch_flags.parse_args([]).host == "127.0.0.1"
     assert ApiConfig(ipc_dir="x", tokenizer="y").host == "127.0.0.1"
     pids = [server.proc.pid, *descendants(server.proc.pid)]
     listening = listening_tcp(pids)

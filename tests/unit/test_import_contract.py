@@ -15,8 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECKED = ("api", "coordinator", "model", "ranks", "cuda_graphs", "bench", "examples", "tests")
-ROOT_MODULES = ("__init__.py", "__main__.py", "_checkout.py", "launch.py")
-BARE_FIRST_PARTY = {"api", "coordinator", "model", "ranks", "cuda_graphs", "bench", "launch"}
+ROOT_MODULES = ("__init__.py", "__main__.py", "_checkout.py", "launch.py", "launch_flags.py")
+BARE_FIRST_PARTY = {
+    "api",
+    "coordinator",
+    "model",
+    "ranks",
+    "cuda_graphs",
+    "bench",
+    "launch",
+    "launch_flags",
+}
 # what the installed package holds may import nothing that is not installed with it
 INSTALLED = ("api", "coordinator", "model", "ranks", "cuda_graphs", *ROOT_MODULES)
 NOT_INSTALLED = ("tapserve.bench", "tests", "examples")
@@ -25,7 +34,14 @@ ENGINE_SIDE = ("tapserve.coordinator", "tapserve.ranks", "tapserve.model", "taps
 BOUNDARIES = (
     (
         ("api",),
-        (*ENGINE_SIDE, "tapserve.launch", "torch", "transformers", "triton"),
+        (
+            *ENGINE_SIDE,
+            "tapserve.launch",
+            "tapserve.launch_flags",
+            "torch",
+            "transformers",
+            "triton",
+        ),
         "the API process loads no torch and no engine code",
     ),
     (("model",), ("tapserve.coordinator", "tapserve.api", "tapserve.ranks"), "model/ is a leaf"),

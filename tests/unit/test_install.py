@@ -28,7 +28,7 @@ from tests.helpers.api import ROOT, port_from_log, wait_healthy
 from tests.helpers.procs import cmdline, descendants, exited
 
 PACKAGES = ("api", "coordinator", "cuda_graphs", "model", "ranks")
-ROOT_MODULES = ("__init__.py", "__main__.py", "_checkout.py", "launch.py")
+ROOT_MODULES = ("__init__.py", "__main__.py", "_checkout.py", "launch.py", "launch_flags.py")
 CONSTANT_HEAD = """
 import torch
 
