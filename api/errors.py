@@ -71,7 +71,10 @@ class ApiError(Exception):
         }
 
     def native_body(self) -> dict:
-        return {"error_code": self.code, "error_code_str": self.code_str, "message": self.message}
+        message = self.message
+        if self.param and self.param not in message:  # no "param" key here: the message names it
+            message = f"invalid field '{self.param}': {message}"
+        return {"error_code": self.code, "error_code_str": self.code_str, "message": message}
 
 
 def _encodable(text: str) -> str:

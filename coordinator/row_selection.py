@@ -57,7 +57,7 @@ def parse_selection(answer: list, prompt_len: int, max_new_tokens: int) -> RowSe
             f"(a list may add one of -2, LAST_GENERATED, or -3, ALL_GENERATED)"
         )
     if max_new_tokens == 0 and (not values or generated):
-        what = "no position" if not values else f"{generated[0]}, a generated token,"
+        what = "no position" if not values else f"{generated[0]} (a generated token)"
         raise SelectionError(f"a scoring-only request (0 tokens to generate) selects {what}")
     if not values:
         return None

@@ -380,6 +380,32 @@ def test_generate_input_ids_and_errors(http):
     assert unknown.status_code == 400 and "foo" in unknown.json()["message"]
 
 
+@pytest.mark.parametrize("position", [[1, 1], [-3], [0, -2, -3]])
+def test_native_selection_errors_name_the_field(http, model, position):
+    """The native body has no "param": a 605 from the engine's selection check names
+    custom_output_params in its message, as the OpenAI body's param does."""
+    params = {"position": position}
+    native = http.post(
+        "/generate",
+        json={
+            "prompt": PROMPT,
+            "generate_config": {"max_new_tokens": 0 if position == [-3] else 2},
+            "custom_output_params": params,
+        },
+    )
+    assert native.status_code == 400 and native.json()["error_code"] == 605, native.text
+    assert "custom_output_params" in native.json()["message"]
+    scored = http.post("/custom_output", json={"prompts": [PROMPT], "custom_output_params": params})
+    assert scored.json()["outputs"][0]["error_code"] == 605
+    assert "custom_output_params" in scored.json()["outputs"][0]["message"]
+    openai = http.post(
+        "/v1/completions",
+        json={"model": model, "prompt": PROMPT, "max_tokens": 2, "custom_output_params": params},
+    )
+    if position != [-3]:  # (a list's -3 with tokens to generate is valid)
+        assert openai.json()["error"]["param"] == "custom_output_params", openai.text
+
+
 def test_custom_output_batch_and_tokenize_positions(http, offline):
     text = "Once upon a time there was a little town by the sea."
     ids = tokenize(http, text)
