@@ -179,7 +179,7 @@ class StepMeter:
     steps, the wall seconds of the engine steps that ran them and, given a cost model and the
     machine's B and F, the sum of their floors. reset() starts a new count."""
 
-    def __init__(self, engine: Engine, cost: ModelCost | None, machine: dict | None) -> None:
+    def __init__(self, engine: Engine, cost: ModelCost, machine: dict | None) -> None:
         self.kinds: dict[str, list[float]] = {}
         self._kind: str | None = None
         build, step = engine.planner.build, engine.step
@@ -187,7 +187,7 @@ class StepMeter:
         def noting_build(batch):
             plan, rows = build(batch)
             self._kind = plan.kind.name.lower()
-            if cost is not None and machine is not None:
+            if machine is not None:
                 floor = cost.step_floor(
                     plan, machine["copy_bytes_per_s"], machine["bf16_flops_per_s"]
                 )
