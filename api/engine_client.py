@@ -92,6 +92,7 @@ class EngineError(Exception):
 
 
 ENGINE_DOWN = 503  # EngineError.code when the coordinator stopped answering
+CATCH_UP_BACKLOG = 4  # engine messages waiting at once that mean the API is behind
 
 
 @dataclass(slots=True)
@@ -222,6 +223,7 @@ class EngineClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull_now = zmq.Socket.shadow(self._pull)  # sync: reads what waits, never awaits
         self._routes: dict[str, RequestGroup] = {}
         self._prefix = secrets.token_hex(4)
         self._counter = count()
@@ -304,12 +306,35 @@ class EngineClient:
 
     # ---- reading -------------------------------------------------------------------------
     async def _read_loop(self) -> None:
+        """Hand each engine message to the streams alone, letting them run before the next,
+        so that each step's token is an SSE event of its own; once CATCH_UP_BACKLOG messages
+        wait at once the API is behind, and they go over together (a stream then sends the
+        tokens it has in one event)."""
         while True:
-            data = await self._pull.recv()
+            waiting = [await self._pull.recv()]
+            waiting += self._waiting_now()
+            together = len(waiting) >= CATCH_UP_BACKLOG
+            for data in waiting:
+                self._handle(data)
+                if not together:
+                    await asyncio.sleep(0)
+            if together:
+                await asyncio.sleep(0)
+
+    def _waiting_now(self) -> list[bytes]:
+        """The messages that can be read without waiting."""
+        waiting = []
+        while True:
             try:
-                self._dispatch(wire.decode(data))
-            except Exception:  # a bad message must not kill the reader
-                log.exception("cannot handle a message from the engine")
+                waiting.append(self._pull_now.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return waiting
+
+    def _handle(self, data: bytes) -> None:
+        try:
+            self._dispatch(wire.decode(data))
+        except Exception:  # a bad message must not kill the reader
+            log.exception("cannot handle a message from the engine")
 
     def _route(self, out: wire.RequestOutput) -> None:
         group = self._routes.get(out.request_id)
