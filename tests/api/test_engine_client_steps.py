@@ -50,7 +50,7 @@ def batches_of_a_burst(steps: int) -> list[list[int]]:
                         wire.Outputs([wire.RequestOutput(rid, sequences=[last], finished=True)])
                     )
                 )
-                time.sleep(0.3)  # the loop is held: every step arrives before the reader runs
+                time.sleep(1.0)  # the loop is held: every step arrives before the reader runs
                 await asyncio.wait_for(streaming, 30)
                 return batches
             finally:
