@@ -187,6 +187,10 @@ def _template_source(folder: Path, config: dict, override: str | None) -> str | 
     return template
 
 
+# ids decoded with the GIL held (a streamed token's window): releasing it costs more
+GIL_HELD_DECODE = 256
+
+
 class TextTokenizer:
     """Encode / decode / chat-template one checkpoint's tokenizer (thread-compatible, no torch)."""
 
@@ -264,7 +268,9 @@ class TextTokenizer:
             raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """ids' text (the batch call releases the GIL)."""
+        """ids' text; a long list's decode releases the GIL (the batch call)."""
+        if len(ids) <= GIL_HELD_DECODE:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def _token_str(self, token_id: int) -> str:

@@ -44,6 +44,7 @@ import zmq  # noqa: E402
 
 from tapserve.api import wire  # noqa: E402
 from tapserve.api.config import ApiConfig  # noqa: E402
+from tapserve.bench.serve_client import parse_cores  # noqa: E402
 from tapserve.bench.serve_launch import synthetic_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,12 +287,16 @@ def run(args: argparse.Namespace) -> dict:
             command = [sys.executable, "-P", str(tree / "api/server.py")]
         log = work / "api.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        api_cores = parse_cores(args.api_cores) if args.api_cores else None
+        if api_cores:  # this process, the stand-in and the client (spawned after) elsewhere
+            os.sched_setaffinity(0, (os.sched_getaffinity(0) - api_cores) or api_cores)
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 [*command, *config.to_argv()],
                 stdout=out,
                 stderr=out,
                 env={**env, "RELAY_TREE": str(tree)},
+                preexec_fn=(lambda: os.sched_setaffinity(0, api_cores)) if api_cores else None,
             )
         try:
             port = wait_port(log, proc)
@@ -342,6 +347,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936, help="qwen3's vocabulary")
     parser.add_argument("--tree", default=str(ROOT), help="the checkout whose API runs")
     parser.add_argument("--profile", help="cProfile the API process into this file")
+    parser.add_argument(
+        "--api-cores", help="pin the API process to these cores (e.g. 1), the rest to the others"
+    )
     args = parser.parse_args()
     result = run(args)
     if args.step_rate:
