@@ -72,6 +72,9 @@ def init_distributed(device_type: str, peer_timeout: float = 30.0) -> DistContex
         device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
     )
     plan_group = dist.new_group(backend="gloo", timeout=timeout)
+    # new_group may return on one rank while a peer still connects: were the first to leave
+    # on a start-up error (a layout every rank refuses), the peer would fail in its connect
+    dist.barrier(group=plan_group)
     tp = TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
     return DistContext(rank, world_size, local_rank, tp, plan_group)
 
